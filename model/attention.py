@@ -1,0 +1,122 @@
+"""Multi-head attention: self-attention (with an optional KV cache) and cross-attention.
+
+Both return ``(out, weights | None)``. Weights are computed only when asked for; the fast
+path is ``torch.nn.functional.scaled_dot_product_attention``. Nothing is stored on modules.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.cache import LayerCache
+from model.masks import causal_mask, fill_blocked
+
+AttentionOutput = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+) -> AttentionOutput:
+    """Scaled dot-product attention over heads.
+
+    q: (B, H, Tq, Dh), k and v: (B, H, Tk, Dh), mask: bool broadcastable to (B, H, Tq, Tk)
+    (True = may attend; see ``model.masks``). ``causal`` adds a causal mask (needs Tq == Tk).
+    -> out (B, H, Tq, Dh), weights (B, H, Tq, Tk) or None.
+    """
+    if causal and mask is None and not need_weights:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True), None
+    if causal:
+        causal_part = causal_mask(q.shape[-2], q.device)
+        mask = causal_part if mask is None else mask & causal_part
+    if not need_weights:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), None
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+    weights = torch.softmax(fill_blocked(scores, mask), dim=-1)
+    out = F.dropout(weights, p=dropout_p) @ v
+    return out, weights
+
+
+def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, T, D) -> (B, H, T, D/H)."""
+    b, t, d = x.shape
+    return x.view(b, t, n_heads, d // n_heads).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, Dh) -> (B, T, H*Dh)."""
+    b, h, t, dh = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * dh)
+
+
+class SelfAttention(nn.Module):
+    """Self-attention with one fused Q/K/V projection."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.dropout = dropout
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        causal: bool = False,
+        cache: LayerCache | None = None,
+        need_weights: bool = False,
+    ) -> AttentionOutput:
+        """x: (B, T, D) -> (B, T, D).
+
+        With ``cache``, x holds only the new positions; their K/V are appended to the cache
+        and the queries attend to every cached position (all earlier, so no mask needed).
+        """
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # each (B, T, D)
+        q, k, v = (split_heads(t, self.n_heads) for t in (q, k, v))  # (B, H, T, Dh)
+        if cache is not None:
+            k, v = cache.append_self(k, v)  # (B, H, past+T, Dh)
+            causal = causal and q.shape[-2] > 1
+        p = self.dropout if self.training else 0.0
+        out, weights = attend(q, k, v, mask, causal, p, need_weights)
+        return self.out(merge_heads(out)), weights
+
+
+class CrossAttention(nn.Module):
+    """Decoder-to-encoder attention; K/V of the memory can be computed once and reused."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.dropout = dropout
+        self.q = nn.Linear(d_model, d_model)
+        self.kv = nn.Linear(d_model, 2 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+
+    def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """memory: (B, S, D) -> K, V each (B, H, S, Dh)."""
+        k, v = self.kv(memory).chunk(2, dim=-1)
+        return split_heads(k, self.n_heads), split_heads(v, self.n_heads)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory_kv: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        need_weights: bool = False,
+    ) -> AttentionOutput:
+        """x: (B, T, D), memory_kv from ``project_memory``, mask (B, 1, 1, S) -> (B, T, D)."""
+        q = split_heads(self.q(x), self.n_heads)  # (B, H, T, Dh)
+        k, v = memory_kv
+        p = self.dropout if self.training else 0.0
+        out, weights = attend(q, k, v, mask, False, p, need_weights)
+        return self.out(merge_heads(out)), weights

@@ -1,0 +1,154 @@
+"""Checkpoint folders: ``model.safetensors`` + ``config.json`` + ``spm.model`` (never pickle).
+
+``load`` validates everything it reads and raises ``CheckpointError`` with a message that
+names the file and the problem, instead of a traceback from deep inside torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from model.config import ModelConfig
+from model.tokenizer import Tokenizer, TokenizerError
+from model.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+WEIGHTS, CONFIG, SPM, METRICS = "model.safetensors", "config.json", "spm.model", "metrics.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder is missing a file, or a file is corrupt or does not match."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded checkpoint: the network (eval mode), its tokenizer and config.json's content."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    meta: dict[str, Any]
+    path: Path
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+
+def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with tied tensors stored once (the first name wins)."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in model.state_dict().items():
+        key = tensor.data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach().contiguous()
+    return out
+
+
+def save(
+    path: str | Path,
+    model: Transformer,
+    tokenizer: Tokenizer,
+    meta: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a checkpoint folder. ``meta`` goes into config.json beside the model config."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.to("cpu", dtype if v.is_floating_point() else v.dtype) for k, v in unique_state(model).items()}
+    save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
+    (path / SPM).write_bytes(tokenizer.model_proto)
+    config = {
+        **(meta or {}),
+        "format_version": FORMAT_VERSION,
+        "model": model.config.to_dict(),
+        "tokenizer": {"type": "sentencepiece", "file": SPM, "vocab_size": tokenizer.vocab_size},
+        "storage_dtype": str(dtype).removeprefix("torch."),
+    }
+    (path / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """config.json of a checkpoint folder, validated to hold a model config."""
+    file = Path(path) / CONFIG
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing (is {path} a checkpoint folder?)")
+    try:
+        meta = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file}: not valid JSON ({err})") from err
+    if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+        raise CheckpointError(f"{file}: no 'model' section")
+    return meta
+
+
+def model_config(meta: dict[str, Any], where: Path) -> ModelConfig:
+    try:
+        return ModelConfig.from_dict(meta["model"])
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{where / CONFIG}: {err}") from err
+
+
+def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load and validate a checkpoint folder onto ``device`` in ``dtype`` (eval mode)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint folder not found")
+    meta = read_meta(path)
+    config = model_config(meta, path)
+    try:
+        tokenizer = Tokenizer.load(path / SPM)
+    except TokenizerError as err:
+        raise CheckpointError(f"{path / SPM}: {err}") from err
+    if tokenizer.vocab_size != config.tgt_vocab_size:
+        raise CheckpointError(
+            f"{path / SPM}: vocabulary of {tokenizer.vocab_size} pieces, but {CONFIG} says {config.tgt_vocab_size}"
+        )
+    model = Transformer(config)
+    load_weights(model, path / WEIGHTS)
+    model.to(device=device, dtype=dtype).eval()
+    log.info("loaded %s (%d parameters) on %s as %s", path, model.num_parameters(), device, dtype)
+    return Checkpoint(model, tokenizer, meta, path)
+
+
+def load_weights(model: Transformer, file: Path) -> None:
+    """Copy tensors from a safetensors file into ``model`` after checking names and shapes."""
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing")
+    try:
+        tensors = load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"{file}: corrupt or not a safetensors file ({err})") from err
+    assign(model, tensors, str(file))
+
+
+def assign(model: Transformer, tensors: dict[str, torch.Tensor], where: str = "state") -> None:
+    """Copy a (tie-deduplicated) state into ``model``; names and shapes must match exactly."""
+    expected = unique_state(model)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{where}: tensors do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    wrong = [
+        f"{k} {tuple(tensors[k].shape)} != {tuple(v.shape)}" for k, v in expected.items() if tensors[k].shape != v.shape
+    ]
+    if wrong:
+        raise CheckpointError(f"{where}: tensor shapes do not match the config: {wrong[:5]}")
+    with torch.no_grad():
+        for name, target in expected.items():
+            target.copy_(tensors[name])

@@ -1,0 +1,112 @@
+"""Score a checkpoint on a test set with sacreBLEU.
+
+    python -m model.evaluate --weights weights/de-en --src FILE --ref FILE \
+        [--beam-size N] [--batch-size N] [--device D] [--limit N]
+
+prints one JSON line: bleu (cased, 13a), bleu_lc (lowercased), chrf, sentences, seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import sacrebleu
+import torch
+
+from model import checkpoint
+from model.data import read_lines, split_file
+from model.decoding import DecodingOptions
+from model.translator import Translator
+
+log = logging.getLogger(__name__)
+
+
+def score_translations(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, float]:
+    """Corpus scores: BLEU cased (13a), BLEU lowercased, chrF."""
+    if len(hyps) != len(refs):
+        raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references")
+    return {
+        "bleu": round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),
+        "bleu_lc": round(sacrebleu.corpus_bleu(hyps, [refs], lowercase=True).score, 2),
+        "chrf": round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2),
+    }
+
+
+def recommended_options(meta: dict[str, Any], beam_size: int | None = None) -> DecodingOptions:
+    """The model card's decoding settings (config.json "decoding"), optionally another beam."""
+    rec = dict(meta.get("decoding", {}))
+    if beam_size is not None:
+        rec["beam_size"] = beam_size
+    return DecodingOptions(**rec)
+
+
+def evaluate(
+    translator: Translator, src: Sequence[str], ref: Sequence[str], options: DecodingOptions, batch_size: int = 64
+) -> dict[str, Any]:
+    """Translate ``src`` and score against ``ref``; timing covers tokenization to text."""
+    start = time.perf_counter()
+    hyps: list[str] = []
+    for i in range(0, len(src), batch_size * 8):  # chunks keep length-sorting effective yet bounded
+        chunk = translator.translate(src[i : i + batch_size * 8], options, max_batch_tokens=batch_size * 32)
+        hyps.extend(t.text for t in chunk)
+    seconds = time.perf_counter() - start
+    return {
+        **score_translations(hyps, ref),
+        "sentences": len(src),
+        "seconds": round(seconds, 3),
+        "beam_size": options.beam_size,
+    }
+
+
+def measure_checkpoint(
+    folder: Path, data_dir: str, source: str, target: str, splits: Sequence[str], device: str = "cpu"
+) -> dict[str, Any]:
+    """Greedy and recommended-beam scores of a checkpoint on several splits (for metrics.json)."""
+    ckpt = checkpoint.load(folder, device)
+    translator = Translator(ckpt.model, ckpt.tokenizer)
+    beam = recommended_options(ckpt.meta)
+    out: dict[str, Any] = {}
+    for split in splits:
+        src = read_lines(split_file(data_dir, split, source))
+        ref = read_lines(split_file(data_dir, split, target))
+        for name, options in (("greedy", recommended_options(ckpt.meta, 1)), (f"beam{beam.beam_size}", beam)):
+            result = evaluate(translator, src, ref, options)
+            out.setdefault(split, {})[name] = {k: result[k] for k in ("bleu", "bleu_lc", "chrf", "sentences")}
+            log.info("%s %s: %s", split, name, out[split][name])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", required=True, type=Path, help="checkpoint folder")
+    parser.add_argument("--src", required=True, type=Path, help="source sentences (plain or .gz)")
+    parser.add_argument("--ref", required=True, type=Path, help="reference translations (plain or .gz)")
+    parser.add_argument("--beam-size", type=int, help="default: the model card's")
+    parser.add_argument("--batch-size", type=int, default=64, help="sentences per batch (approx.)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--limit", type=int, help="only the first N sentences")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    ckpt = checkpoint.load(args.weights, args.device)
+    src, ref = read_lines(args.src), read_lines(args.ref)
+    if args.limit:
+        src, ref = src[: args.limit], ref[: args.limit]
+    result = evaluate(
+        Translator(ckpt.model, ckpt.tokenizer),
+        src,
+        ref,
+        recommended_options(ckpt.meta, args.beam_size),
+        args.batch_size,
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

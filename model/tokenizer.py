@@ -1,0 +1,85 @@
+"""Sentencepiece tokenizer with a joint source+target vocabulary and fixed special ids."""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+
+log = logging.getLogger(__name__)
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+class TokenizerError(ValueError):
+    """The sentencepiece model is missing, corrupt or has the wrong special ids."""
+
+
+class Tokenizer:
+    """Wraps a sentencepiece model: text <-> ids (no BOS/EOS added) and <-> pieces."""
+
+    def __init__(self, model_proto: bytes) -> None:
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.LoadFromSerializedProto(model_proto)
+        except (RuntimeError, OSError) as err:
+            raise TokenizerError(f"not a valid sentencepiece model: {err}") from err
+        expected = {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID}
+        actual = {"pad": self.sp.pad_id(), "unk": self.sp.unk_id(), "bos": self.sp.bos_id(), "eos": self.sp.eos_id()}
+        if actual != expected:
+            raise TokenizerError(f"sentencepiece special ids {actual} differ from {expected}")
+        self.model_proto = model_proto
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        if not path.is_file():
+            raise TokenizerError(f"sentencepiece model not found: {path}")
+        return cls(path.read_bytes())
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.sp.get_piece_size())
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Batch encode to ids (no BOS/EOS)."""
+        return [list(ids) for ids in self.sp.encode(list(texts), out_type=int)]
+
+    def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        """Batch decode ids to detokenized, cased text (special ids are dropped)."""
+        return [str(t) for t in self.sp.decode([list(x) for x in ids])]
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """Ids to sentencepiece pieces (word starts carry the '▁' marker)."""
+        return [str(self.sp.id_to_piece(int(i))) for i in ids]
+
+
+def train_tokenizer(
+    sentences: Iterable[str],
+    vocab_size: int,
+    model_type: str = "unigram",
+    character_coverage: float = 1.0,
+    seed_sentences: int = 0,
+) -> Tokenizer:
+    """Train a sentencepiece model in memory on the given (joint) corpus."""
+    buffer = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_writer=buffer,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        character_coverage=character_coverage,
+        pad_id=PAD_ID,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        input_sentence_size=seed_sentences,
+        shuffle_input_sentence=True,
+        num_threads=2,
+        minloglevel=2,
+    )
+    log.info("trained a %s sentencepiece model with %d pieces", model_type, vocab_size)
+    return Tokenizer(buffer.getvalue())

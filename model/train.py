@@ -1,0 +1,307 @@
+"""Train a translation model from a TOML config.
+
+    python -m model.train --config configs/de-en.toml [--out DIR] [--resume] [--device D]
+
+Each epoch: training with label-smoothed cross entropy, then validation loss and greedy
+validation BLEU, an epoch checkpoint, a JSONL log line and the resumable state. At the end:
+checkpoint averaging, selection on validation BLEU, and the final checkpoint folder
+(``OUT/model``) with its measured scores in ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from model import checkpoint
+from model.data import Batch, Parallel, TokenizedCorpus, clean, read_parallel, split_file
+from model.decoding import DecodingOptions
+from model.evaluate import measure_checkpoint, score_translations
+from model.tokenizer import Tokenizer, train_tokenizer
+from model.train_config import TrainConfig, load_train_config
+from model.train_state import average_files, load_state, save_state
+from model.transformer import Transformer
+from model.translator import Translator
+
+log = logging.getLogger(__name__)
+
+
+def inverse_sqrt_schedule(warmup: int) -> Any:
+    """Linear warmup to the peak, then decay with 1/sqrt(step) (the paper's schedule)."""
+
+    def factor(step: int) -> float:
+        step = max(step, 1)
+        return min(step / warmup, math.sqrt(warmup / step))
+
+    return factor
+
+
+def smoothed_loss(logits: torch.Tensor, target: torch.Tensor, epsilon: float, pad_id: int) -> torch.Tensor:
+    """Summed label-smoothed cross entropy over non-pad targets. logits (B, T, V), target (B, T)."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), target.flatten(), ignore_index=pad_id, label_smoothing=epsilon, reduction="sum"
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    epoch: int
+    step: int
+    train_loss: float
+    valid_loss: float
+    valid_bleu: float
+    lr: float
+    tokens_per_s: float
+    seconds: float
+
+
+class Trainer:
+    """Owns the data, model, optimizer and the run folder of one training run."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, device: torch.device) -> None:
+        self.cfg, self.out, self.device = cfg, out, device
+        out.mkdir(parents=True, exist_ok=True)
+        if cfg.optim.threads:
+            torch.set_num_threads(cfg.optim.threads)
+        torch.manual_seed(cfg.optim.seed)
+        data_dir, d = cfg.data.dir, cfg.data
+        self.train_text = clean(
+            read_parallel(split_file(data_dir, d.train, d.source), split_file(data_dir, d.train, d.target)), d.max_ratio
+        )
+        self.valid_text = read_parallel(
+            split_file(data_dir, d.valid, d.source), split_file(data_dir, d.valid, d.target)
+        )
+        self.tokenizer = self._tokenizer()
+        self.train_data = self._corpus(self.train_text)
+        self.valid_data = self._corpus(self.valid_text)
+        self.model = Transformer(cfg.model).to(device)
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, inverse_sqrt_schedule(o.warmup_steps))
+        self.step, self.epoch = 0, 0
+        self.history: list[dict[str, Any]] = []  # EpochRecord dicts
+
+    def _tokenizer(self) -> Tokenizer:
+        spm_path = self.out / checkpoint.SPM
+        if spm_path.exists():
+            return Tokenizer.load(spm_path)
+        t = self.cfg.tokenizer
+        tokenizer = train_tokenizer(
+            self.train_text.src + self.train_text.tgt, t.vocab_size, t.model_type, t.character_coverage
+        )
+        spm_path.write_bytes(tokenizer.model_proto)
+        return tokenizer
+
+    def _corpus(self, text: Parallel) -> TokenizedCorpus:
+        m = self.cfg.model
+        return TokenizedCorpus(
+            self.tokenizer.encode(text.src), self.tokenizer.encode(text.tgt), m.pad_id, m.bos_id, m.eos_id
+        )
+
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.optim.bf16)
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        src, tgt_in, tgt_out = (t.to(self.device, non_blocking=True) for t in (batch.src, batch.tgt_in, batch.tgt_out))
+        with self._autocast():
+            logits = self.model(src, tgt_in)
+        return smoothed_loss(logits, tgt_out, self.cfg.optim.label_smoothing, self.cfg.model.pad_id)
+
+    def train_epoch(self, max_steps: int | None = None) -> tuple[float, float]:
+        """One pass over the training data -> (loss per token, target tokens per second)."""
+        o = self.cfg.optim
+        self.model.train()
+        batches = list(self.train_data.batches(o.max_tokens, shuffle=True, seed=o.seed + self.epoch))
+        if max_steps is not None:
+            batches = batches[: max_steps * o.accumulate]
+        total_loss, total_tokens, start = 0.0, 0, time.perf_counter()
+        bar = tqdm(batches, desc=f"epoch {self.epoch + 1}", unit="batch", mininterval=2.0, leave=False)
+        group: list[Batch] = []
+        for batch in bar:
+            group.append(batch)
+            if len(group) < o.accumulate and batch is not batches[-1]:
+                continue
+            tokens = sum(b.target_tokens for b in group)
+            for b in group:
+                loss = self._loss(b)
+                (loss / tokens).backward()
+                total_loss += float(loss.detach())
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.clip_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            total_tokens += tokens
+            group = []
+            rate = total_tokens / (time.perf_counter() - start)
+            bar.set_postfix(
+                loss=f"{total_loss / total_tokens:.3f}",
+                lr=f"{self.scheduler.get_last_lr()[0]:.2e}",
+                tok_s=f"{rate:.0f}",
+            )
+        return total_loss / max(total_tokens, 1), total_tokens / (time.perf_counter() - start)
+
+    @torch.no_grad()
+    def validate(self) -> tuple[float, float]:
+        """-> (validation loss per token, greedy validation BLEU)."""
+        self.model.eval()
+        total, tokens = 0.0, 0
+        for batch in self.valid_data.batches(self.cfg.optim.max_tokens, shuffle=False):
+            total += float(self._loss(batch))
+            tokens += batch.target_tokens
+        hyps = Translator(self.model, self.tokenizer).translate(self.valid_text.src, DecodingOptions(beam_size=1))
+        bleu = score_translations([h.text for h in hyps], self.valid_text.tgt)["bleu"]
+        return total / tokens, bleu
+
+    def run(self, max_steps_per_epoch: int | None = None) -> None:
+        o = self.cfg.optim
+        while self.epoch < o.max_epochs and not self._patience_exhausted():
+            t0 = time.perf_counter()
+            train_loss, rate = self.train_epoch(max_steps_per_epoch)
+            valid_loss, bleu = self.validate()
+            self.epoch += 1
+            record = EpochRecord(
+                self.epoch,
+                self.step,
+                train_loss,
+                valid_loss,
+                bleu,
+                float(self.scheduler.get_last_lr()[0]),
+                rate,
+                time.perf_counter() - t0,
+            )
+            self.history.append(record.__dict__)
+            self._save_epoch()
+            with (self.out / "log.jsonl").open("a") as f:
+                f.write(json.dumps(record.__dict__) + "\n")
+            log.info(
+                "epoch %d step %d train %.3f valid %.3f bleu %.2f (%.0f tok/s, %.0fs)",
+                self.epoch,
+                self.step,
+                train_loss,
+                valid_loss,
+                bleu,
+                rate,
+                record.seconds,
+            )
+
+    def _patience_exhausted(self) -> bool:
+        if not self.history:
+            return False
+        best = max(range(len(self.history)), key=lambda i: self.history[i]["valid_bleu"])
+        return len(self.history) - 1 - best >= self.cfg.optim.patience
+
+    def _save_epoch(self) -> None:
+        epochs = self.out / "epochs"
+        epochs.mkdir(exist_ok=True)
+        save_file(checkpoint.unique_state(self.model), str(epochs / f"epoch{self.epoch:03d}.safetensors"))
+        keep = {e["epoch"] for e in self._candidates()} | {self.epoch}
+        for f in epochs.glob("epoch*.safetensors"):
+            if int(f.stem.removeprefix("epoch")) not in keep:
+                f.unlink()
+        save_state(
+            self.out / "state",
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            {"step": self.step, "epoch": self.epoch, "history": self.history},
+        )
+
+    def _candidates(self) -> list[dict[str, Any]]:
+        """Epoch records to average: the last K or the best K by validation BLEU."""
+        n = self.cfg.optim.average_count
+        if self.cfg.optim.average == "last":
+            return self.history[-n:]
+        return sorted(self.history, key=lambda e: -e["valid_bleu"])[:n]
+
+    def resume(self) -> None:
+        scalars = load_state(self.out / "state", self.model, self.optimizer, self.scheduler)
+        self.step, self.epoch, self.history = scalars["step"], scalars["epoch"], scalars["history"]
+        log.info("resumed %s at epoch %d, step %d", self.out, self.epoch, self.step)
+
+    def finish(self) -> Path:
+        """Average, select on validation BLEU, write OUT/model with its scores."""
+        files = [self.out / "epochs" / f"epoch{e['epoch']:03d}.safetensors" for e in self._candidates()]
+        best = max(self.history, key=lambda e: e["valid_bleu"])
+        options = {
+            "averaged": average_files(files),
+            "best": load_file(str(self.out / "epochs" / f"epoch{best['epoch']:03d}.safetensors")),
+        }
+        scores = {}
+        for name, state in options.items():
+            checkpoint.assign(self.model, state, name)
+            scores[name] = self.validate()[1]
+            log.info("%s checkpoint: valid BLEU %.2f", name, scores[name])
+        chosen = max(scores, key=lambda k: scores[k])
+        checkpoint.assign(self.model, options[chosen], chosen)
+        meta = {
+            "name": self.cfg.name,
+            "source_lang": self.cfg.data.source,
+            "target_lang": self.cfg.data.target,
+            "decoding": self.cfg.decoding.__dict__,
+            "training": {
+                "config": self.cfg.to_dict(),
+                "epochs": self.epoch,
+                "steps": self.step,
+                "selected": chosen,
+                "averaged_epochs": [e["epoch"] for e in self._candidates()],
+                "valid_bleu_greedy": scores,
+                "device": str(self.device),
+                "history": self.history,
+            },
+        }
+        storage = torch.float16 if self.model.num_parameters() * 4 > 15 * 2**20 else torch.float32
+        return checkpoint.save(self.out / "model", self.model, self.tokenizer, meta, dtype=storage)
+
+
+def train(
+    cfg: TrainConfig, out: Path, resume: bool = False, device: str = "auto", max_steps_per_epoch: int | None = None
+) -> Path:
+    """Train (or continue) a run and return the final checkpoint folder."""
+    trainer = Trainer(cfg, out, resolve_device(device))
+    if resume and (out / "state").exists():
+        trainer.resume()
+    trainer.run(max_steps_per_epoch)
+    final = trainer.finish()
+    d = cfg.data
+    metrics = measure_checkpoint(final, d.dir, d.source, d.target, [d.valid, d.test], str(trainer.device))
+    (final / checkpoint.METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
+    return final
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, type=Path)
+    parser.add_argument("--out", type=Path, help="run folder (default runs/<config name>)")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/state")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--max-steps-per-epoch", type=int, help="cap updates per epoch (smoke runs)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_train_config(args.config)
+    out = args.out or Path("runs") / cfg.name
+    final = train(cfg, out, args.resume, args.device, args.max_steps_per_epoch)
+    log.info("final checkpoint: %s", final)
+
+
+if __name__ == "__main__":
+    main()

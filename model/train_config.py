@@ -1,0 +1,100 @@
+"""Training configuration: one TOML file fully describes a shipped model's recipe."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from model.config import ModelConfig
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dir: str = "../shared/data/multi30k"
+    source: str = "de"
+    target: str = "en"
+    train: str = "train"
+    valid: str = "val"
+    test: str = "test_2016_flickr"
+    max_ratio: float = 3.0
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    vocab_size: int = 8000
+    model_type: Literal["unigram", "bpe"] = "unigram"
+    character_coverage: float = 1.0
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    seed: int = 1
+    max_epochs: int = 40
+    max_tokens: int = 4096  # padded tokens per batch (max of source/target side)
+    accumulate: int = 1
+    lr: float = 7e-4  # peak learning rate, reached at the end of warmup
+    warmup_steps: int = 1000
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-9
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+    label_smoothing: float = 0.1
+    bf16: bool = True  # bf16 autocast (GPU; also CPUs with native bf16)
+    patience: int = 8  # epochs without a better validation BLEU before stopping
+    average: Literal["last", "best"] = "last"
+    average_count: int = 5
+    threads: int = 0  # CPU threads for torch; 0 = torch's default
+
+
+@dataclass(frozen=True)
+class RecommendedDecoding:
+    beam_size: int = 5
+    length_penalty: float = 0.6
+    max_length_a: float = 1.5
+    max_length_b: int = 10
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    name: str
+    model: ModelConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    decoding: RecommendedDecoding = field(default_factory=RecommendedDecoding)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type[T], table: dict[str, Any], where: str) -> T:
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ValueError(f"[{where}]: unknown keys {unknown}")
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
+    return cls(**values)
+
+
+def load_train_config(path: str | Path) -> TrainConfig:
+    """Parse a TOML training config. The [model] table omits vocabulary sizes:
+    they come from [tokenizer].vocab_size (a joint vocabulary)."""
+    raw = tomllib.loads(Path(path).read_text())
+    known = {"name", "model", "data", "tokenizer", "optim", "decoding"}
+    if unknown := sorted(set(raw) - known):
+        raise ValueError(f"{path}: unknown tables {unknown}")
+    tok = _build(TokenizerConfig, raw.get("tokenizer", {}), "tokenizer")
+    model_table = {"src_vocab_size": tok.vocab_size, "tgt_vocab_size": tok.vocab_size, **raw.get("model", {})}
+    return TrainConfig(
+        name=raw.get("name", Path(path).stem),
+        model=ModelConfig.from_dict(model_table),
+        data=_build(DataConfig, raw.get("data", {}), "data"),
+        tokenizer=tok,
+        optim=_build(OptimConfig, raw.get("optim", {}), "optim"),
+        decoding=_build(RecommendedDecoding, raw.get("decoding", {}), "decoding"),
+    )

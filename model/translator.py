@@ -1,0 +1,131 @@
+"""Text in, text out: tokenization, length-sorted batching and decoding around one model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from model.data import pad
+from model.decoding import DecodingOptions, Hypothesis, decode
+from model.tokenizer import Tokenizer
+from model.transformer import AttentionMaps, Transformer
+
+
+@dataclass(frozen=True)
+class TranslatedHypothesis:
+    text: str
+    pieces: tuple[str, ...]
+    score: float
+    finished: bool
+
+
+@dataclass(frozen=True)
+class Translation:
+    """One source sentence and its n-best translations (best first)."""
+
+    source_pieces: tuple[str, ...]
+    hypotheses: tuple[TranslatedHypothesis, ...]
+
+    @property
+    def text(self) -> str:
+        return self.hypotheses[0].text
+
+
+@dataclass(frozen=True)
+class AttentionResult:
+    """Maps of one teacher-forced pass over (source, hypothesis); maps are (L, H, Q, K).
+
+    Queries and keys: encoder source x source; decoder target x target_input;
+    cross target x source. ``target`` is the hypothesis plus EOS (what each row predicts),
+    ``target_input`` is BOS plus the hypothesis (what each decoder position reads).
+    """
+
+    source: tuple[str, ...]
+    target: tuple[str, ...]
+    target_input: tuple[str, ...]
+    encoder: torch.Tensor
+    decoder: torch.Tensor
+    cross: torch.Tensor
+
+
+class Translator:
+    """A model and its tokenizer, on one device."""
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def max_source_tokens(self) -> int:
+        """Longest source (in pieces, before EOS) the model's positions can hold."""
+        return self.config.max_positions - 1
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Texts -> ids (no specials)."""
+        return self.tokenizer.encode(texts)
+
+    def decode_ids(self, batch: Sequence[Sequence[int]], options: DecodingOptions) -> list[list[Hypothesis]]:
+        """Decode one batch of source ids (no specials) as given; -> n-best per sentence."""
+        too_long = [len(ids) for ids in batch if len(ids) > self.max_source_tokens]
+        if too_long:
+            raise ValueError(f"source of {max(too_long)} tokens exceeds {self.max_source_tokens}")
+        src = pad([[*ids, self.config.eos_id] for ids in batch], self.config.pad_id).to(self.device)
+        return decode(self.model, src, options)
+
+    def to_translation(self, src_ids: Sequence[int], hyps: Sequence[Hypothesis]) -> Translation:
+        texts = self.tokenizer.decode([h.ids for h in hyps])
+        return Translation(
+            tuple(self.tokenizer.pieces(src_ids)),
+            tuple(
+                TranslatedHypothesis(t, tuple(self.tokenizer.pieces(h.ids)), h.score, h.finished)
+                for t, h in zip(texts, hyps, strict=True)
+            ),
+        )
+
+    def translate(
+        self, texts: Sequence[str], options: DecodingOptions, max_batch_tokens: int = 4096
+    ) -> list[Translation]:
+        """Translate many sentences: sort by length, decode in token-bounded batches, unsort."""
+        ids = self.encode(texts)
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        results: dict[int, Translation] = {}
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and (len(ids[order[end]]) + 1) * (end + 1 - start) <= max_batch_tokens:
+                end += 1
+            chunk = order[start:end]
+            for i, hyps in zip(chunk, self.decode_ids([ids[i] for i in chunk], options), strict=True):
+                results[i] = self.to_translation(ids[i], hyps)
+            start = end
+        return [results[i] for i in range(len(ids))]
+
+    @torch.inference_mode()
+    def attention(self, src_ids: Sequence[int], hyp_ids: Sequence[int]) -> AttentionResult:
+        """Exact attention maps for a returned hypothesis (one teacher-forced pass)."""
+        cfg = self.config
+        src = torch.tensor([[*src_ids, cfg.eos_id]], device=self.device)
+        tgt_in = torch.tensor([[cfg.bos_id, *hyp_ids]], device=self.device)
+        _, maps = self.model.attention_maps(src, tgt_in)
+        pieces = self.tokenizer.pieces
+        return AttentionResult(
+            source=(*pieces(src_ids), "</s>"),
+            target=(*pieces(hyp_ids), "</s>"),
+            target_input=("<s>", *pieces(hyp_ids)),
+            **{name: _first(getattr(maps, name)) for name in ("encoder", "decoder", "cross")},
+        )
+
+
+def _first(maps: torch.Tensor) -> torch.Tensor:
+    """(L, 1, H, Q, K) -> (L, H, Q, K) float32 on CPU."""
+    return maps[:, 0].float().cpu()
+
+
+__all__ = ["AttentionMaps", "AttentionResult", "TranslatedHypothesis", "Translation", "Translator"]
