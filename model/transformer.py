@@ -46,6 +46,8 @@ def sinusoidal_table(length: int, dim: int) -> torch.Tensor:
 class Embedding(nn.Module):
     """Token embedding scaled by sqrt(D) plus positions, then dropout."""
 
+    table: torch.Tensor | None
+
     def __init__(self, tokens: nn.Embedding, config: ModelConfig) -> None:
         super().__init__()
         self.tokens = tokens
@@ -53,11 +55,12 @@ class Embedding(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.max_positions = config.max_positions
         self.learned: nn.Embedding | None = None
-        self.table: torch.Tensor | None = None
+        table = None
         if config.positions == "learned":
             self.learned = nn.Embedding(config.max_positions, config.d_model)
         else:
-            self.register_buffer("table", sinusoidal_table(config.max_positions, config.d_model), persistent=False)
+            table = sinusoidal_table(config.max_positions, config.d_model)
+        self.register_buffer("table", table, persistent=False)
 
     def forward(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """ids: (B, T) at positions offset..offset+T-1 -> (B, T, D)."""
