@@ -69,13 +69,21 @@ def length_penalty(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
     return ((5.0 + lengths.float()) / 6.0) ** alpha
 
 
+@dataclass(frozen=True)
+class Decoded:
+    """Per sentence its n-best hypotheses (best first), and the decoder steps the batch took."""
+
+    hypotheses: list[list[Hypothesis]]
+    steps: int
+
+
 @torch.inference_mode()
-def decode(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> list[list[Hypothesis]]:
-    """src: (B, S) padded ids, each row ending with EOS -> per sentence, n_best hypotheses."""
+def decode(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Decoded:
+    """src: (B, S) padded ids, each row ending with EOS -> n_best hypotheses per sentence."""
     if src.shape[0] == 0:
-        return []
+        return Decoded([], 0)
     if options.beam_size == 1:
-        return [[h] for h in greedy_search(model, src, options)]
+        return greedy_search(model, src, options)
     return beam_search(model, src, options)
 
 
@@ -108,7 +116,7 @@ class _Batch:
 
 
 @torch.inference_mode()
-def greedy_search(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> list[Hypothesis]:
+def greedy_search(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Decoded:
     """Batched greedy decoding; sentences leave the batch when they emit EOS."""
     cfg = model.config
     b = src.shape[0]
@@ -135,9 +143,10 @@ def greedy_search(model: Transformer, src: torch.Tensor, options: DecodingOption
             state.keep(keep)
             tokens = tokens[keep]
     score = log_prob / length_penalty(length, options.length_penalty)
-    return [
-        _hypothesis(out[i], int(length[i]), float(score[i]), float(log_prob[i]), bool(finished[i])) for i in range(b)
+    hyps = [
+        [_hypothesis(out[i], int(length[i]), float(score[i]), float(log_prob[i]), bool(finished[i]))] for i in range(b)
     ]
+    return Decoded(hyps, step + 1)
 
 
 def _hypothesis(row: torch.Tensor, length: int, score: float, log_prob: float, finished: bool) -> Hypothesis:
@@ -147,7 +156,7 @@ def _hypothesis(row: torch.Tensor, length: int, score: float, log_prob: float, f
 
 
 @torch.inference_mode()
-def beam_search(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> list[list[Hypothesis]]:
+def beam_search(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Decoded:
     """Vectorized beam search (top-k over beam x vocabulary) with GNMT length normalization.
 
     Finished hypotheses stay in the beam, extended only by PAD at no cost, so candidates of
@@ -212,4 +221,4 @@ def beam_search(model: Transformer, src: torch.Tensor, options: DecodingOptions)
                 t[keep] for t in (scores, length, finished, eos_seen, history)
             )
             tokens = tokens.view(a, k)[keep].reshape(-1)
-    return results
+    return Decoded(results, step + 1)

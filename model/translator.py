@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from model.data import pad
-from model.decoding import DecodingOptions, Hypothesis, decode
+from model.decoding import Decoded, DecodingOptions, Hypothesis, decode
 from model.tokenizer import Tokenizer
 from model.transformer import AttentionMaps, Transformer
 
@@ -73,6 +73,10 @@ class Translator:
 
     def decode_ids(self, batch: Sequence[Sequence[int]], options: DecodingOptions) -> list[list[Hypothesis]]:
         """Decode one batch of source ids (no specials) as given; -> n-best per sentence."""
+        return self.decode_batch(batch, options).hypotheses
+
+    def decode_batch(self, batch: Sequence[Sequence[int]], options: DecodingOptions) -> Decoded:
+        """Like ``decode_ids``, also reporting the number of decoder steps."""
         too_long = [len(ids) for ids in batch if len(ids) > self.max_source_tokens]
         if too_long:
             raise ValueError(f"source of {max(too_long)} tokens exceeds {self.max_source_tokens}")

@@ -1,0 +1,74 @@
+"""Every error leaves the service as JSON ``{"error": ..., "error_type": ...}``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+STATUS_TYPES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "validation_error",
+    429: "queue_full",
+    503: "unavailable",
+    504: "timeout",
+}
+
+
+class ApiError(Exception):
+    """An error with its HTTP status, a stable machine-readable type and a human message."""
+
+    def __init__(self, status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.error_type, self.message, self.headers = status, error_type, message, headers
+
+
+def error_response(
+    status: int, error_type: str, message: str, headers: dict[str, str] | None = None, **extra: Any
+) -> JSONResponse:
+    return JSONResponse({"error": message, "error_type": error_type, **extra}, status_code=status, headers=headers)
+
+
+def describe_validation(errors: list[Any]) -> str:
+    """Pydantic errors -> one readable line, e.g. "beam_size: Input should be less than or equal to 8"."""
+    parts = []
+    for e in errors[:5]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x not in ("body",))
+        parts.append(f"{loc}: {e.get('msg', 'invalid')}" if loc else str(e.get("msg", "invalid")))
+    return "; ".join(parts) or "invalid request"
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, err: ApiError) -> JSONResponse:
+        return error_response(err.status, err.error_type, err.message, err.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:
+        return error_response(422, "validation_error", describe_validation(list(err.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return error_response(
+            err.status_code,
+            STATUS_TYPES.get(err.status_code, "http_error"),
+            str(err.detail),
+            getattr(err, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal_error", "internal server error")

@@ -1,0 +1,60 @@
+"""Prometheus metrics of one service instance (its own registry, with process metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
+
+disable_created_metrics()  # no *_created series: they double the exposition and nobody graphs them
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class Metrics:
+    """The ``translator_`` families of DESIGN.md. Label values are few and fixed."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        self.requests = Counter(
+            "translator_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.request_duration = Histogram(
+            "translator_request_duration_seconds",
+            "Request latency",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "translator_queue_wait_seconds",
+            "Time a sentence waits before its batch starts",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge("translator_queue_depth", "Sentences waiting to be batched", registry=r)
+        self.inflight = Gauge("translator_inflight_requests", "Requests being handled", registry=r)
+        self.batch_sentences = Histogram(
+            "translator_batch_sentences", "Sentences per model batch", buckets=SIZE_BUCKETS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "translator_batch_tokens", "Padded source tokens per model batch", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.source_tokens = Counter("translator_source_tokens", "Source tokens translated", ["direction"], registry=r)
+        self.target_tokens = Counter("translator_target_tokens", "Target tokens generated", ["direction"], registry=r)
+        self.decode_steps = Counter("translator_decode_steps", "Decoder steps run", ["direction"], registry=r)
+        self.cache_hits = Counter("translator_cache_hits", "Sentences answered from the cache", registry=r)
+        self.cache_misses = Counter("translator_cache_misses", "Sentences not in the cache", registry=r)
+        self.model_info = Gauge(
+            "translator_model_info", "Loaded models (value 1)", ["direction", "device", "dtype"], registry=r
+        )

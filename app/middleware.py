@@ -1,0 +1,159 @@
+"""Pure ASGI middleware: request ids and access logs, metrics, and the request body limit."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from contextvars import ContextVar
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.metrics import Metrics
+
+log = logging.getLogger("app.access")
+request_id_var: ContextVar[str] = ContextVar("request_id", default="-")
+
+ENDPOINTS = frozenset(
+    ["/translate", "/attention", "/languages", "/info", "/health", "/ready", "/metrics", "/", "/docs", "/openapi.json"]
+)
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def endpoint_label(path: str) -> str:
+    """A bounded label value: known endpoints by name, static files together, all else "other"."""
+    if path in ENDPOINTS:
+        return path
+    return "/static" if path.startswith("/static/") else "other"
+
+
+class RequestContextMiddleware:
+    """Assigns a request id (kept from X-Request-ID when sane), logs and measures each request."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", []))
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _SAFE_ID.match(given) else uuid.uuid4().hex
+        token = request_id_var.set(rid)
+        endpoint = endpoint_label(scope["path"])
+        status = 500
+        start = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
+            await send(message)
+
+        self.metrics.inflight.inc()
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            elapsed = time.perf_counter() - start
+            self.metrics.inflight.dec()
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.request_duration.labels(endpoint).observe(elapsed)
+            log.info(
+                "%s %s %d %.1fms",
+                scope["method"],
+                scope["path"],
+                status,
+                elapsed * 1000,
+                extra={"status": status, "duration_ms": round(elapsed * 1000, 2)},
+            )
+            request_id_var.reset(token)
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over ``max_bytes``: by Content-Length at once, or while streaming."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await _reject(send, self.max_bytes)
+            return
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class BodyTooLarge(HTTPException):
+    """Raised while reading a streamed body; the HTTP error handler turns it into a 413."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body larger than {max_bytes} bytes")
+
+
+async def _reject(send: Send, max_bytes: int) -> None:
+    body = json.dumps(
+        {"error": f"request body larger than {max_bytes} bytes", "error_type": "payload_too_large"}
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line, with the current request id."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        data = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "request_id": request_id_var.get(),
+            "message": record.getMessage(),
+        }
+        for key in ("status", "duration_ms"):
+            if hasattr(record, key):
+                data[key] = getattr(record, key)
+        if record.exc_info:
+            data["exception"] = self.formatException(record.exc_info)
+        return json.dumps(data, ensure_ascii=False)
+
+
+def configure_logging(level: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLogFormatter())
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error"):
+        logging.getLogger(name).handlers = []
+        logging.getLogger(name).propagate = True
+    logging.getLogger("uvicorn.access").disabled = True  # app.access logs with request ids instead

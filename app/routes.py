@@ -1,0 +1,300 @@
+"""HTTP endpoints. Parsing and validation live here; the work is in ``TranslationService``."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from app import attention_view
+from app.batching import QueueFull, SchedulerClosed
+from app.errors import ApiError, describe_validation
+from app.schemas import (
+    AttentionRequest,
+    AttentionResponse,
+    ErrorResponse,
+    Language,
+    TranslateRequest,
+    TranslateResponse,
+)
+from app.service import ItemResult, TranslationService
+from app.settings import Settings
+from app.state import AppState
+from model.decoding import DecodingOptions
+
+STATIC = Path(__file__).parent / "static"
+LANGUAGE_NAMES = {"de": "German", "en": "English", "fr": "French", "cs": "Czech"}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 403, 413, 422, 429, 503, 504)
+}
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+router = APIRouter()
+
+
+def state_of(request: Request) -> AppState:
+    state: AppState = request.app.state.translator
+    return state
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """JSON or form-encoded (as LibreTranslate clients send) -> a validated request model."""
+    raw = await request.body()
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    data: Any
+    if content_type == "application/x-www-form-urlencoded":
+        try:
+            form = parse_qs(raw.decode("utf-8"), keep_blank_values=True, strict_parsing=False)
+        except UnicodeDecodeError:
+            raise ApiError(400, "bad_request", "form body is not UTF-8") from None
+        data = {k: (v if k == "q" and len(v) > 1 else v[-1]) for k, v in form.items()}
+    elif content_type in ("application/json", "") or content_type.endswith("+json"):
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ApiError(400, "invalid_json", f"body is not valid JSON: {err}") from None
+    else:
+        raise ApiError(415, "unsupported_media_type", "send application/json or application/x-www-form-urlencoded")
+    if not isinstance(data, dict):
+        raise ApiError(422, "validation_error", "the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise ApiError(422, "validation_error", describe_validation(list(err.errors()))) from None
+
+
+def check_api_key(request: Request, body_key: str | None, settings: Settings) -> None:
+    """403 unless the key (X-API-Key, Bearer token or api_key field) is configured."""
+    if not settings.api_keys:
+        return
+    auth = request.headers.get("authorization", "")
+    given = request.headers.get("x-api-key") or (auth[7:] if auth.lower().startswith("bearer ") else None) or body_key
+    if not given or not any(hmac.compare_digest(given.encode(), k.encode()) for k in settings.api_keys):
+        raise ApiError(403, "forbidden", "missing or invalid API key")
+
+
+def check_texts(texts: list[str], settings: Settings) -> None:
+    if not texts:
+        raise ApiError(422, "validation_error", "q: give at least one text")
+    if len(texts) > settings.max_items:
+        raise ApiError(422, "too_many_items", f"q: {len(texts)} texts; at most {settings.max_items} per request")
+    for i, text in enumerate(texts):
+        if not text.strip():
+            raise ApiError(422, "empty_text", f"q[{i}]: text is empty")
+        if len(text) > settings.max_text_chars:
+            raise ApiError(422, "text_too_long", f"q[{i}]: {len(text)} characters; at most {settings.max_text_chars}")
+
+
+def decoding_options(
+    service: TranslationService, settings: Settings, beam_size: int | None, n_best: int, max_length: int | None
+) -> DecodingOptions:
+    """The request's options on top of the model card's recommendations, within the limits."""
+    rec = dict(service.meta.get("decoding", {}))
+    if n_best - 1 > settings.max_alternatives:
+        raise ApiError(422, "validation_error", f"alternatives: at most {settings.max_alternatives}")
+    beam = beam_size if beam_size is not None else max(int(rec.get("beam_size", 4)), n_best)
+    if beam > settings.max_beam:
+        raise ApiError(422, "validation_error", f"beam_size: at most {settings.max_beam}")
+    if beam < n_best:
+        raise ApiError(422, "validation_error", f"beam_size must be at least alternatives + 1 ({n_best})")
+    cap = service.translator.config.max_positions - 1
+    if max_length is not None and max_length > cap:
+        raise ApiError(422, "validation_error", f"max_length: at most {cap}")
+    rec.update(beam_size=beam, n_best=n_best, max_length=max_length)
+    return DecodingOptions(**rec)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work``; if the client goes away first, cancel it (its queued sentences leave)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise ApiError(499, "client_closed_request", "the client disconnected")
+    return task.result()
+
+
+async def run_queued(request: Request, work: Awaitable[T]) -> T:
+    try:
+        return await until_disconnect(request, work)
+    except QueueFull as err:
+        raise ApiError(429, "queue_full", f"too busy, retry shortly ({err})", {"Retry-After": "1"}) from None
+    except SchedulerClosed:
+        raise ApiError(503, "shutting_down", "the service is shutting down", {"Retry-After": "1"}) from None
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI request body for routes that parse their body themselves (JSON or form)."""
+    schema = {"schema": model.model_json_schema()}
+    content = {"application/json": schema, "application/x-www-form-urlencoded": schema}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+@router.post(
+    "/translate",
+    response_model=TranslateResponse,
+    response_model_exclude_none=True,
+    responses=ERRORS,
+    openapi_extra=body_schema(TranslateRequest),
+)
+async def translate(request: Request) -> dict[str, Any]:
+    """Translate a text or a list of texts (LibreTranslate-compatible)."""
+    state = state_of(request)
+    body = await parse_body(request, TranslateRequest)
+    check_api_key(request, body.api_key, state.settings)
+    service = state.service(body.source, body.target)
+    texts = [body.q] if isinstance(body.q, str) else body.q
+    check_texts(texts, state.settings)
+    options = decoding_options(service, state.settings, body.beam_size, body.alternatives + 1, body.max_length)
+    items = await run_queued(request, service.translate(texts, options, state.settings.request_timeout_s))
+    single = isinstance(body.q, str)
+    out: dict[str, Any] = {"translatedText": items[0].texts[0] if single else [i.texts[0] for i in items]}
+    if body.alternatives:
+        alts = [i.texts[1:] for i in items]
+        out["alternatives"] = alts[0] if single else alts
+    if body.details:
+        details = [item_details(service, i) for i in items]
+        out["details"] = details[0] if single else details
+    return out
+
+
+def item_details(service: TranslationService, item: ItemResult) -> dict[str, Any]:
+    pieces = service.translator.tokenizer.pieces
+    sentences: list[dict[str, Any]] = []
+    for s in item.sentences:
+        best = s.hypotheses[0]
+        sentences.append(
+            {
+                "source": s.source,
+                "translation": service.translator.tokenizer.decode([best.ids])[0],
+                "source_tokens": pieces(s.source_ids),
+                "target_tokens": pieces(best.ids),
+                "score": round(best.score, 4),
+                "truncated": not best.finished,
+                "cached": s.cached,
+            }
+        )
+    return {
+        "tokens": [t for s in sentences for t in s["target_tokens"]],
+        "score": round(sum(s["score"] for s in sentences) / len(sentences), 4),
+        "source_token_count": sum(len(s["source_tokens"]) for s in sentences),
+        "target_token_count": sum(len(s["target_tokens"]) for s in sentences),
+        "truncated": any(s["truncated"] for s in sentences),
+        "sentences": sentences,
+        "timings": {"queue_ms": round(item.queue_ms, 2), "total_ms": round(item.total_ms, 2)},
+    }
+
+
+@router.post(
+    "/attention", response_model=AttentionResponse, responses=ERRORS, openapi_extra=body_schema(AttentionRequest)
+)
+async def attention(request: Request) -> dict[str, Any]:
+    """Translate one text and return per-layer, per-head attention maps of the translation."""
+    state = state_of(request)
+    body = await parse_body(request, AttentionRequest)
+    check_api_key(request, body.api_key, state.settings)
+    service = state.service(body.source, body.target)
+    check_texts([body.q], state.settings)
+    cfg = service.translator.config
+    sel = attention_view.select(
+        body.layers, body.heads, body.kinds, body.level, min(cfg.encoder_layers, cfg.decoder_layers), cfg.n_heads
+    )
+    options = decoding_options(service, state.settings, body.beam_size, 1, None)
+    text, result = await run_queued(request, service.attention(body.q, options, state.settings.request_timeout_s))
+    payload = attention_view.build(result, sel, state.settings.attention_max_cells)
+    return {
+        "translatedText": text,
+        "source": service.source,
+        "target": service.target,
+        "level": body.level,
+        "n_layers": cfg.decoder_layers,
+        "n_encoder_layers": cfg.encoder_layers,
+        "n_decoder_layers": cfg.decoder_layers,
+        "n_heads": cfg.n_heads,
+        **payload,
+    }
+
+
+@router.get("/languages", response_model=list[Language])
+async def languages(request: Request) -> list[dict[str, Any]]:
+    """Languages and the targets each can be translated to (LibreTranslate's shape)."""
+    state = state_of(request)
+    state.require_ready()
+    targets: dict[str, list[str]] = {}
+    for source, target in sorted(state.services):
+        targets.setdefault(source, []).append(target)
+        targets.setdefault(target, [])
+    return [{"code": c, "name": LANGUAGE_NAMES.get(c, c), "targets": t} for c, t in sorted(targets.items())]
+
+
+@router.get("/info")
+async def info(request: Request) -> dict[str, Any]:
+    """Directions, model configs, parameter counts, device, dtype, limits, measured BLEU."""
+    state = state_of(request)
+    s = state.settings
+    return {
+        "ready": state.ready.is_set(),
+        "directions": [svc.info() for svc in state.services.values()],
+        "limits": {
+            "max_text_chars": s.max_text_chars,
+            "max_items": s.max_items,
+            "max_beam": s.max_beam,
+            "max_alternatives": s.max_alternatives,
+            "max_body_bytes": s.max_body_bytes,
+            "request_timeout_s": s.request_timeout_s,
+            "attention_max_tokens": s.attention_max_tokens,
+        },
+        "batching": {
+            "max_batch_sentences": s.max_batch_sentences,
+            "max_batch_tokens": s.max_batch_tokens,
+            "max_wait_ms": s.max_wait_ms,
+            "queue_size": s.queue_size,
+        },
+    }
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    """Liveness: the process answers."""
+    return {"status": "ok"}
+
+
+@router.get("/ready", responses={503: {"model": ErrorResponse}})
+async def ready(request: Request) -> dict[str, Any]:
+    """Readiness: 200 once every model is loaded and warmed up; 503 before and while draining."""
+    state = state_of(request)
+    state.require_ready()
+    return {"status": "ready", "directions": [svc.direction for svc in state.services.values()]}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text format."""
+    return Response(generate_latest(state_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/", include_in_schema=False)
+async def index() -> Response:
+    page = STATIC / "index.html"
+    if not page.is_file():
+        return JSONResponse({"error": "viewer page not installed", "error_type": "not_found"}, status_code=404)
+    return FileResponse(page)

@@ -1,0 +1,107 @@
+"""Request and response bodies (pydantic lives at the HTTP edge only)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
+
+Kind = Literal["cross", "encoder", "decoder"]
+
+
+class TranslateRequest(BaseModel):
+    """LibreTranslate's /translate body plus decoding options. Unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    q: StrictStr | list[StrictStr] = Field(..., description="a text, or a list of texts")
+    source: StrictStr = Field(..., description="source language code, e.g. de")
+    target: StrictStr = Field(..., description="target language code, e.g. en")
+    format: Literal["text"] = Field("text", description='only "text" is supported')
+    alternatives: int = Field(0, ge=0, description="extra translations to return (n-best)")
+    beam_size: int | None = Field(None, ge=1, description="default: the model card's beam size")
+    max_length: int | None = Field(None, ge=1, description="most tokens to generate per sentence")
+    details: bool = Field(False, description="add tokens, scores, token counts and timings per item")
+    api_key: str | None = Field(None, description="LibreTranslate-style API key (or X-API-Key header)")
+
+
+class SentenceDetails(BaseModel):
+    source: str
+    translation: str
+    source_tokens: list[str]
+    target_tokens: list[str]
+    score: float
+    truncated: bool
+    cached: bool
+
+
+class Timings(BaseModel):
+    queue_ms: float
+    total_ms: float
+
+
+class ItemDetails(BaseModel):
+    tokens: list[str] = Field(description="target tokens of the best translation, all sentences")
+    score: float = Field(description="mean length-normalized log-probability over sentences")
+    source_token_count: int
+    target_token_count: int
+    truncated: bool = Field(description="a sentence hit the length limit without ending")
+    sentences: list[SentenceDetails]
+    timings: Timings
+
+
+class TranslateResponse(BaseModel):
+    translatedText: str | list[str]
+    alternatives: list[str] | list[list[str]] | None = None
+    details: ItemDetails | list[ItemDetails] | None = None
+
+
+class AttentionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    q: StrictStr = Field(..., description="one text (translated as a single sequence)")
+    source: StrictStr
+    target: StrictStr
+    beam_size: int | None = Field(None, ge=1)
+    layers: list[int] | None = Field(None, description="layer indices (default: all)")
+    heads: list[int] | None = Field(None, description="head indices (default: all)")
+    kinds: list[Kind] | None = Field(None, description="default: cross, encoder and decoder")
+    level: Literal["subword", "word"] = "subword"
+    api_key: str | None = None
+
+
+class AlignmentLink(BaseModel):
+    target_index: int
+    source_index: int
+    target_token: str
+    source_token: str
+    weight: float
+
+
+class AttentionResponse(BaseModel):
+    translatedText: str
+    source: str
+    target: str
+    level: str
+    source_tokens: list[str]
+    target_tokens: list[str]
+    target_input_tokens: list[str]
+    n_layers: int
+    n_encoder_layers: int
+    n_decoder_layers: int
+    n_heads: int
+    layers: list[int]
+    heads: list[int]
+    attention: dict[str, Any] = Field(description="kind -> [layer][head][query][key]")
+    alignment: list[AlignmentLink]
+
+
+class Language(BaseModel):
+    code: str
+    name: str
+    targets: list[str]
+
+
+class ErrorResponse(BaseModel):
+    error: str
+    error_type: str
