@@ -39,6 +39,10 @@ class Parallel:
     def __len__(self) -> int:
         return len(self.src)
 
+    def head(self, n: int) -> Parallel:
+        """The first n pairs (all when n <= 0)."""
+        return self if n <= 0 else Parallel(self.src[:n], self.tgt[:n])
+
 
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> Parallel:
     src, tgt = read_lines(src_path), read_lines(tgt_path)

@@ -20,7 +20,7 @@ import sacrebleu
 import torch
 
 from model import checkpoint
-from model.data import read_lines, split_file
+from model.data import read_lines, read_parallel, split_file
 from model.decoding import DecodingOptions
 from model.translator import Translator
 
@@ -65,16 +65,17 @@ def evaluate(
 
 
 def measure_checkpoint(
-    folder: Path, data_dir: str, source: str, target: str, splits: Sequence[str], device: str = "cpu"
+    folder: Path, data_dir: str, source: str, target: str, splits: Sequence[str], device: str = "cpu", limit: int = 0
 ) -> dict[str, Any]:
-    """Greedy and recommended-beam scores of a checkpoint on several splits (for metrics.json)."""
+    """Greedy and recommended-beam scores of a checkpoint on several splits (for metrics.json);
+    ``limit`` > 0 scores only the first sentences of each split (smoke runs)."""
     ckpt = checkpoint.load(folder, device)
     translator = Translator(ckpt.model, ckpt.tokenizer)
     beam = recommended_options(ckpt.meta)
     out: dict[str, Any] = {}
     for split in splits:
-        src = read_lines(split_file(data_dir, split, source))
-        ref = read_lines(split_file(data_dir, split, target))
+        data = read_parallel(split_file(data_dir, split, source), split_file(data_dir, split, target)).head(limit)
+        src, ref = data.src, data.tgt
         for name, options in (("greedy", recommended_options(ckpt.meta, 1)), (f"beam{beam.beam_size}", beam)):
             result = evaluate(translator, src, ref, options)
             out.setdefault(split, {})[name] = {k: result[k] for k in ("bleu", "bleu_lc", "chrf", "sentences")}

@@ -84,10 +84,10 @@ class Trainer:
         data_dir, d = cfg.data.dir, cfg.data
         self.train_text = clean(
             read_parallel(split_file(data_dir, d.train, d.source), split_file(data_dir, d.train, d.target)), d.max_ratio
-        )
+        ).head(d.train_limit)
         self.valid_text = read_parallel(
             split_file(data_dir, d.valid, d.source), split_file(data_dir, d.valid, d.target)
-        )
+        ).head(d.eval_limit)
         self.tokenizer = self._tokenizer()
         self.train_data = self._corpus(self.train_text)
         self.valid_data = self._corpus(self.valid_text)
@@ -283,7 +283,7 @@ def train(
     trainer.run(max_steps_per_epoch)
     final = trainer.finish()
     d = cfg.data
-    metrics = measure_checkpoint(final, d.dir, d.source, d.target, [d.valid, d.test], str(trainer.device))
+    metrics = measure_checkpoint(final, d.dir, d.source, d.target, [d.valid, d.test], str(trainer.device), d.eval_limit)
     (final / checkpoint.METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
     return final
 

@@ -22,6 +22,8 @@ class DataConfig:
     valid: str = "val"
     test: str = "test_2016_flickr"
     max_ratio: float = 3.0
+    train_limit: int = 0  # use only the first N training pairs (0: all); for smoke runs
+    eval_limit: int = 0  # score only the first N validation/test pairs (0: all)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,244 @@
+"""The HTTP contract through httpx against the app (lifespan included), with a tiny real checkpoint."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.main import create_app
+from app.settings import Settings
+
+DOC = {"source": "de", "target": "en"}
+
+
+def start(settings: Settings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, client.get("/ready").json()
+            time.sleep(0.05)
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(tiny_weights_dir: Path) -> Iterator[TestClient]:
+    yield from start(
+        Settings(
+            weights_dir=tiny_weights_dir,
+            max_items=4,
+            max_text_chars=300,
+            max_beam=4,
+            max_alternatives=2,
+            max_body_bytes=4096,
+        )
+    )
+
+
+def post(client: TestClient, path: str, body: dict[str, Any]) -> Any:
+    return client.post(path, json=body)
+
+
+def assert_error(response: Any, status: int, error_type: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) >= {"error", "error_type"} and body["error"]
+    if error_type:
+        assert body["error_type"] == error_type
+    return body  # type: ignore[no-any-return]
+
+
+def test_string_and_list_shapes(client: TestClient) -> None:
+    one = post(client, "/translate", {"q": "Ein Mann.", **DOC}).json()
+    assert isinstance(one["translatedText"], str) and set(one) == {"translatedText"}
+    many = post(client, "/translate", {"q": ["Ein Mann.", "Zwei Hunde."], **DOC}).json()
+    assert isinstance(many["translatedText"], list) and len(many["translatedText"]) == 2
+    assert many["translatedText"][0] == one["translatedText"]
+
+
+def test_alternatives_and_details(client: TestClient) -> None:
+    body = post(client, "/translate", {"q": "Ein Mann. Zwei Hunde.", "alternatives": 2, "details": True, **DOC}).json()
+    assert len(body["alternatives"]) == 2 and all(isinstance(a, str) for a in body["alternatives"])
+    assert body["translatedText"] not in body["alternatives"]
+    d = body["details"]
+    assert len(d["sentences"]) == 2 and d["sentences"][0]["source"] == "Ein Mann."
+    assert d["source_token_count"] == sum(len(s["source_tokens"]) for s in d["sentences"])
+    assert d["target_token_count"] == len(d["tokens"])
+    assert isinstance(d["truncated"], bool) and d["score"] <= 0
+    assert d["timings"]["total_ms"] >= d["timings"]["queue_ms"] >= 0
+    listed = post(client, "/translate", {"q": ["Ein Mann."], "alternatives": 1, "details": True, **DOC}).json()
+    assert isinstance(listed["alternatives"][0], list) and isinstance(listed["details"], list)
+
+
+def test_paragraph_layout_is_kept(client: TestClient) -> None:
+    text = "Ein Mann. Zwei Hunde.\n\nEine Frau."
+    out = post(client, "/translate", {"q": text, "details": True, **DOC}).json()
+    assert out["translatedText"].count("\n\n") == 1
+    assert len(out["details"]["sentences"]) == 3
+
+
+def test_form_encoded_libretranslate_request(client: TestClient) -> None:
+    form = client.post("/translate", data={"q": "Ein Mann.", "source": "de", "target": "en"})
+    assert form.status_code == 200
+    assert (
+        form.json()["translatedText"] == post(client, "/translate", {"q": "Ein Mann.", **DOC}).json()["translatedText"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "error_type"),
+    [
+        ({"q": "", **DOC}, "empty_text"),
+        ({"q": "   \n ", **DOC}, "empty_text"),
+        ({"q": [], **DOC}, "validation_error"),
+        ({"q": ["ok", " "], **DOC}, "empty_text"),
+        ({"q": "x" * 301, **DOC}, "text_too_long"),
+        ({"q": ["a"] * 5, **DOC}, "too_many_items"),
+        ({"q": "Hallo", "source": "de", "target": "fr"}, "unsupported_language_pair"),
+        ({"q": "Hallo", "source": "auto", "target": "en"}, "unsupported_language_pair"),
+        ({"q": "Hallo", "beam_size": 5, **DOC}, "validation_error"),
+        ({"q": "Hallo", "beam_size": 0, **DOC}, "validation_error"),
+        ({"q": "Hallo", "alternatives": 3, **DOC}, "validation_error"),
+        ({"q": "Hallo", "alternatives": 2, "beam_size": 2, **DOC}, "validation_error"),
+        ({"q": "Hallo", "max_length": 100000, **DOC}, "validation_error"),
+        ({"q": "Hallo", "format": "html", **DOC}, "validation_error"),
+        ({"q": 42, **DOC}, "validation_error"),
+        ({"q": "Hallo", "beam_size": "many", **DOC}, "validation_error"),
+        ({"q": "Hallo", "details": {"a": 1}, **DOC}, "validation_error"),
+        ({"source": "de", "target": "en"}, "validation_error"),
+        ({"q": "Hallo"}, "validation_error"),
+    ],
+)
+def test_invalid_input_is_a_422(client: TestClient, body: dict[str, Any], error_type: str) -> None:
+    assert_error(post(client, "/translate", body), 422, error_type)
+
+
+def test_sentence_longer_than_the_model_takes_is_refused_not_truncated(client: TestClient) -> None:
+    words = " ".join(["q"] * 140)  # one sentence of 279 characters and at least 140 tokens (the model takes 127)
+    body = assert_error(post(client, "/translate", {"q": words, **DOC}), 422, "text_too_long")
+    assert "tokens" in body["error"]
+
+
+def test_malformed_bodies(client: TestClient) -> None:
+    headers = {"content-type": "application/json"}
+    assert_error(client.post("/translate", content=b"{bad json", headers=headers), 400, "invalid_json")
+    assert_error(client.post("/translate", content=b"\xff\xfe", headers=headers), 400, "invalid_json")
+    assert_error(client.post("/translate", content=b"[1, 2]", headers=headers), 422)
+    assert_error(client.post("/translate", content=b"q=a", headers={"content-type": "text/plain"}), 415)
+    assert_error(client.post("/translate", content=b"{" + b" " * 5000 + b"}", headers=headers), 413)
+
+    def chunks() -> Iterator[bytes]:
+        for _ in range(10):
+            yield b" " * 1000
+
+    assert_error(client.post("/translate", content=chunks(), headers=headers), 413)
+    assert_error(client.get("/translate"), 405)
+    assert_error(client.get("/nowhere"), 404)
+    assert client.get("/health").status_code == 200  # still serving
+
+
+def test_repeated_sentences_hit_the_cache(client: TestClient) -> None:
+    def hits() -> float:
+        families = text_string_to_metric_families(client.get("/metrics").text)
+        return next(s.value for f in families for s in f.samples if s.name == "translator_cache_hits_total")
+
+    before = hits()
+    first = post(client, "/translate", {"q": "Ein Hund rennt.", "details": True, **DOC}).json()
+    second = post(client, "/translate", {"q": "Ein Hund rennt.", "details": True, **DOC}).json()
+    assert hits() == before + 1
+    assert second["translatedText"] == first["translatedText"]
+    assert second["details"]["sentences"][0]["cached"] and not first["details"]["sentences"][0]["cached"]
+
+
+def test_metadata_endpoints(client: TestClient) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/ready").json()["directions"] == ["de-en"]
+    langs = client.get("/languages").json()
+    assert {"code": "de", "name": "German", "targets": ["en"]} in langs
+    info = client.get("/info").json()
+    direction = info["directions"][0]
+    assert direction["source"] == "de" and direction["device"] == "cpu" and direction["dtype"] == "float32"
+    assert direction["parameters"] > 0 and direction["model"]["d_model"] == 32
+    assert info["limits"]["max_items"] == 4
+    assert client.get("/docs").status_code == 200
+    assert "/translate" in client.get("/openapi.json").json()["paths"]
+
+
+def test_request_id_is_returned(client: TestClient) -> None:
+    response = client.get("/health", headers={"x-request-id": "abc-123"})
+    assert response.headers["x-request-id"] == "abc-123"
+    generated = client.get("/health", headers={"x-request-id": "bad id with spaces"}).headers["x-request-id"]
+    assert generated != "bad id with spaces" and len(generated) == 32
+
+
+def test_metrics_parse_and_have_the_documented_families(client: TestClient) -> None:
+    post(client, "/translate", {"q": "Eine Katze.", **DOC})
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    documented = [
+        "translator_requests",
+        "translator_request_duration_seconds",
+        "translator_queue_wait_seconds",
+        "translator_queue_depth",
+        "translator_inflight_requests",
+        "translator_batch_sentences",
+        "translator_batch_tokens",
+        "translator_source_tokens",
+        "translator_target_tokens",
+        "translator_decode_steps",
+        "translator_cache_hits",
+        "translator_cache_misses",
+        "translator_model_info",
+        "process_cpu_seconds",
+        "process_resident_memory_bytes",
+    ]
+    assert not [name for name in documented if name not in families]
+    info = families["translator_model_info"].samples[0]
+    assert info.labels == {"direction": "de-en", "device": "cpu", "dtype": "float32"} and info.value == 1
+    statuses = {
+        s.labels["status"] for s in families["translator_requests"].samples if s.labels["endpoint"] == "/translate"
+    }
+    assert "200" in statuses
+
+
+def test_ready_is_503_until_models_are_loaded(tiny_weights_dir: Path) -> None:
+    app = create_app(Settings(weights_dir=tiny_weights_dir))
+    client = TestClient(app)  # no context manager: the lifespan (which loads) has not run
+    assert_error(client.get("/ready"), 503, "not_ready")
+    assert client.get("/ready").headers["retry-after"]
+    assert_error(client.post("/translate", json={"q": "Hallo", **DOC}), 503, "not_ready")
+    assert client.get("/health").status_code == 200
+
+
+def test_missing_weights_keep_ready_at_503(tmp_path: Path) -> None:
+    with TestClient(create_app(Settings(weights_dir=tmp_path))) as client:
+        time.sleep(0.2)
+        body = assert_error(client.get("/ready"), 503, "not_ready")
+        assert "no checkpoint folders" in body["error"]
+
+
+def test_api_keys(tiny_weights_dir: Path) -> None:
+    for client in start(Settings(weights_dir=tiny_weights_dir, api_keys=["k1", "k2"])):
+        assert_error(post(client, "/translate", {"q": "Hallo", **DOC}), 403, "forbidden")
+        assert_error(post(client, "/translate", {"q": "Hallo", "api_key": "nope", **DOC}), 403)
+        assert post(client, "/translate", {"q": "Hallo", "api_key": "k2", **DOC}).status_code == 200
+        assert client.post("/translate", json={"q": "Hallo", **DOC}, headers={"x-api-key": "k1"}).status_code == 200
+        bearer = {"authorization": "Bearer k1"}
+        assert client.post("/attention", json={"q": "Hallo", **DOC}, headers=bearer).status_code == 200
+        form = client.post("/translate", data={"q": "Hallo", "source": "de", "target": "en", "api_key": "k1"})
+        assert form.status_code == 200
+        assert client.get("/languages").status_code == 200  # metadata stays open
+
+
+def test_cors_origins(tiny_weights_dir: Path) -> None:
+    for client in start(Settings(weights_dir=tiny_weights_dir, cors_origins=["https://example.org"])):
+        preflight = client.options(
+            "/translate", headers={"origin": "https://example.org", "access-control-request-method": "POST"}
+        )
+        assert preflight.headers["access-control-allow-origin"] == "https://example.org"
+        other = client.get("/health", headers={"origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in other.headers

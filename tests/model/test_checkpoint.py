@@ -1,0 +1,93 @@
+"""Checkpoint folders: round trip, and clear errors for broken ones."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import checkpoint
+from model.checkpoint import CheckpointError
+from model.decoding import DecodingOptions
+from model.tokenizer import Tokenizer
+from model.translator import Translator
+from tests.conftest import tiny_config
+
+SENTENCES = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee auf einer Wiese."]
+
+
+def copy_of(folder: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "ckpt"
+    shutil.copytree(folder, target)
+    return target
+
+
+def test_round_trip_gives_identical_outputs(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
+    from model.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(tiny_tokenizer.vocab_size)).eval()
+    checkpoint.save(tmp_path / "c", model, tiny_tokenizer, {"source_lang": "de", "target_lang": "en"})
+    loaded = checkpoint.load(tmp_path / "c")
+    src = torch.tensor([[5, 6, 7, 3]])
+    tgt = torch.tensor([[2, 8, 9]])
+    torch.testing.assert_close(loaded.model(src, tgt), model(src, tgt), atol=0, rtol=0)
+    opts = DecodingOptions(beam_size=3, n_best=2)
+    before = Translator(model, tiny_tokenizer).translate(SENTENCES, opts)
+    after = Translator(loaded.model, loaded.tokenizer).translate(SENTENCES, opts)
+    assert before == after
+    assert loaded.meta["source_lang"] == "de"
+    assert not any(p.suffix in (".pt", ".pkl", ".bin") for p in (tmp_path / "c").iterdir())
+
+
+def test_fp16_storage_halves_the_file(tmp_path: Path, tiny_weights_dir: Path) -> None:
+    ckpt = checkpoint.load(tiny_weights_dir / "de-en")
+    checkpoint.save(tmp_path / "h", ckpt.model, ckpt.tokenizer, ckpt.meta, dtype=torch.float16)
+    full = (tiny_weights_dir / "de-en" / checkpoint.WEIGHTS).stat().st_size
+    half = (tmp_path / "h" / checkpoint.WEIGHTS).stat().st_size
+    assert half < 0.6 * full
+    assert checkpoint.load(tmp_path / "h").model.src_embed.tokens.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("breakage", "message"),
+    [
+        (lambda p: (p / "model.safetensors").unlink(), "model.safetensors: missing"),
+        (lambda p: (p / "model.safetensors").write_bytes(b"\x00garbage" * 10), "corrupt"),
+        (lambda p: (p / "config.json").write_text("{not json"), "not valid JSON"),
+        (lambda p: (p / "config.json").unlink(), "config.json: missing"),
+        (lambda p: (p / "spm.model").write_bytes(b"nonsense"), "spm.model"),
+    ],
+)
+def test_broken_files_give_clear_errors(tmp_path: Path, tiny_weights_dir: Path, breakage, message: str) -> None:  # type: ignore[no-untyped-def]
+    folder = copy_of(tiny_weights_dir / "de-en", tmp_path)
+    breakage(folder)
+    with pytest.raises(CheckpointError, match=message):
+        checkpoint.load(folder)
+
+
+def test_mismatched_config_gives_clear_error(tmp_path: Path, tiny_weights_dir: Path) -> None:
+    folder = copy_of(tiny_weights_dir / "de-en", tmp_path)
+    meta = json.loads((folder / "config.json").read_text())
+    meta["model"]["d_ff"] = 128
+    (folder / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="shapes do not match"):
+        checkpoint.load(folder)
+    meta["model"]["d_ff"] = 64
+    meta["model"]["decoder_layers"] = 3
+    (folder / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="missing"):
+        checkpoint.load(folder)
+    meta["model"]["decoder_layers"] = 2
+    meta["model"]["n_heads"] = 5
+    (folder / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="divisible"):
+        checkpoint.load(folder)
+
+
+def test_missing_folder(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="not found"):
+        checkpoint.load(tmp_path / "nope")

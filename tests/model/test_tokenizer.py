@@ -1,0 +1,35 @@
+"""Sentencepiece wrapper: special ids, batch round trips, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError
+
+
+def test_special_ids_are_fixed(tiny_tokenizer: Tokenizer) -> None:
+    sp = tiny_tokenizer.sp
+    assert (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) == (PAD_ID, UNK_ID, BOS_ID, EOS_ID) == (0, 1, 2, 3)
+    assert tiny_tokenizer.vocab_size == 1000
+
+
+def test_batch_round_trip_keeps_case_and_punctuation(tiny_tokenizer: Tokenizer) -> None:
+    texts = ["Ein Mann fährt Fahrrad.", "Two dogs, one ball!"]
+    ids = tiny_tokenizer.encode(texts)
+    assert all(min(row) > EOS_ID for row in ids)  # no specials added
+    assert tiny_tokenizer.decode(ids) == texts
+    pieces = tiny_tokenizer.pieces(ids[0])
+    assert pieces[0].startswith("▁") and "".join(pieces).replace("▁", " ").strip() == texts[0]
+
+
+def test_joint_vocabulary_covers_both_languages(tiny_tokenizer: Tokenizer) -> None:
+    de, en = tiny_tokenizer.encode(["Hund", "dog"])
+    assert UNK_ID not in de + en
+
+
+def test_bad_model_is_a_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(TokenizerError, match="not found"):
+        Tokenizer.load(tmp_path / "missing.model")
+    (tmp_path / "bad.model").write_bytes(b"not a model")
+    with pytest.raises(TokenizerError):
+        Tokenizer.load(tmp_path / "bad.model")

@@ -1,0 +1,90 @@
+"""Training: loss goes down, resume continues exactly, checkpoint averaging averages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from model import checkpoint
+from model.train import train
+from model.train_config import load_train_config
+from model.train_state import average_files
+
+TINY = """
+name = "tiny"
+[data]
+dir = "{data}"
+train_limit = 3000
+eval_limit = 40
+[tokenizer]
+vocab_size = 500
+[model]
+d_model = 32
+n_heads = 2
+encoder_layers = 1
+decoder_layers = 1
+d_ff = 64
+dropout = 0.1
+max_positions = 128
+[optim]
+max_epochs = {epochs}
+max_tokens = 1500
+lr = 3e-3
+warmup_steps = 10
+bf16 = false
+average_count = 2
+threads = 1
+[decoding]
+beam_size = 2
+"""
+
+
+def tiny_config(tmp_path: Path, data_dir: Path, epochs: int) -> Path:
+    path = tmp_path / f"tiny{epochs}.toml"
+    path.write_text(TINY.format(data=data_dir, epochs=epochs))
+    return path
+
+
+def epochs_of(run: Path) -> list[dict]:  # type: ignore[type-arg]
+    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+
+
+def test_training_lowers_loss_and_writes_a_checkpoint(tmp_path: Path, data_dir: Path) -> None:
+    cfg = load_train_config(tiny_config(tmp_path, data_dir, epochs=2))
+    final = train(cfg, tmp_path / "run", max_steps_per_epoch=12)
+    log = epochs_of(tmp_path / "run")
+    assert [e["epoch"] for e in log] == [1, 2]
+    assert log[1]["train_loss"] < log[0]["train_loss"]
+    assert log[1]["valid_loss"] < log[0]["valid_loss"]
+    assert log[1]["step"] == 24
+    loaded = checkpoint.load(final)
+    assert loaded.meta["decoding"]["beam_size"] == 2
+    metrics = json.loads((final / "metrics.json").read_text())
+    assert set(metrics) == {"val", "test_2016_flickr"}
+    assert metrics["val"]["greedy"]["sentences"] == 40
+
+
+def test_resume_continues_exactly_where_it_stopped(tmp_path: Path, data_dir: Path) -> None:
+    straight = tmp_path / "straight"
+    train(load_train_config(tiny_config(tmp_path, data_dir, epochs=2)), straight, max_steps_per_epoch=6)
+    interrupted = tmp_path / "interrupted"
+    train(load_train_config(tiny_config(tmp_path, data_dir, epochs=1)), interrupted, max_steps_per_epoch=6)
+    assert [e["step"] for e in epochs_of(interrupted)] == [6]
+    train(load_train_config(tiny_config(tmp_path, data_dir, epochs=2)), interrupted, resume=True, max_steps_per_epoch=6)
+    resumed_log, straight_log = epochs_of(interrupted), epochs_of(straight)
+    assert [e["step"] for e in resumed_log] == [6, 12]
+    assert resumed_log[1]["train_loss"] == straight_log[1]["train_loss"]
+    a = load_file(str(interrupted / "epochs" / "epoch002.safetensors"))
+    b = load_file(str(straight / "epochs" / "epoch002.safetensors"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=0, rtol=0)
+
+
+def test_average_files_takes_the_elementwise_mean(tmp_path: Path) -> None:
+    for i, value in enumerate([1.0, 2.0, 6.0]):
+        save_file({"w": torch.full((2, 2), value), "steps": torch.tensor([i])}, str(tmp_path / f"{i}.safetensors"))
+    avg = average_files([tmp_path / f"{i}.safetensors" for i in range(3)])
+    torch.testing.assert_close(avg["w"], torch.full((2, 2), 3.0))
