@@ -38,7 +38,7 @@ def make_model(seed: int = 0, **overrides: object) -> Transformer:
 def sources(n: int, seed: int = 1, min_len: int = 2, max_len: int = 12) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
-    return [torch.randint(4, V, (length,), generator=g).tolist() + [3] for length in lengths]
+    return [[*torch.randint(4, V, (length,), generator=g).tolist(), 3] for length in lengths]
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
@@ -111,7 +111,7 @@ def test_length_limit_and_truncated_flag() -> None:
             assert len(h.ids) + int(h.finished) <= 3
             assert h.finished or len(h.ids) == 3
     # max_length_a * source + b, capped by the model's positions
-    long_src = pad([list(range(4, 50)) + [3]], 0)
+    long_src = pad([[*list(range(4, 50)), 3]], 0)
     h = decode(model, long_src, DecodingOptions(beam_size=1, max_length_a=10, max_length_b=100)).hypotheses[0][0]
     assert len(h.ids) + int(h.finished) <= model.config.max_positions - 1
 

@@ -1,0 +1,225 @@
+"""The real service as a uvicorn process on a free port: batching, back-pressure, timeouts,
+disconnects, graceful shutdown, and an unmodified LibreTranslate client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from model.data import read_lines
+from tests.conftest import SHIPPED
+from tests.helpers import ROOT, free_port, running_server, stop, wait_ready
+
+DOC = {"source": "de", "target": "en"}
+
+
+@pytest.fixture(scope="module")
+def weights_env(tiny_weights_dir: Path) -> dict[str, str]:
+    """Serve the shipped weights when present (they are committed), else the tiny checkpoint."""
+    weights = SHIPPED.parent if SHIPPED.is_dir() else tiny_weights_dir
+    return {"TRANSLATOR_WEIGHTS_DIR": str(weights), "TRANSLATOR_THREADS": "2"}
+
+
+@pytest.fixture(scope="module")
+def test_sentences(data_dir: Path) -> list[str]:
+    return read_lines(data_dir / "test_2016_flickr.de.gz")
+
+
+def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and (labels is None or sample.labels == labels):
+                return float(sample.value)
+    raise KeyError(name)
+
+
+async def post_all(url: str, bodies: list[dict[str, Any]], timeout: float = 120) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=200)) as client:
+        return await asyncio.gather(*(client.post("/translate", json=b) for b in bodies))
+
+
+def test_concurrent_requests_match_sequential_and_are_batched(
+    weights_env: dict[str, str], test_sentences: list[str]
+) -> None:
+    env = {**weights_env, "TRANSLATOR_CACHE_SIZE": "0", "TRANSLATOR_MAX_WAIT_MS": "20"}
+    sentences = test_sentences[:64]
+    with running_server(env) as url:
+        sequential = [httpx.post(f"{url}/translate", json={"q": s, **DOC}, timeout=60).json() for s in sentences]
+        batches_before = metric(url, "translator_batch_sentences_count")
+        concurrent = asyncio.run(post_all(url, [{"q": s, **DOC} for s in sentences]))
+        assert [r.status_code for r in concurrent] == [200] * 64
+        assert [r.json() for r in concurrent] == sequential
+        batches = metric(url, "translator_batch_sentences_count") - batches_before
+        assert batches < 32, f"64 concurrent sentences ran in {batches:.0f} batches"
+        assert metric(url, "translator_batch_sentences_bucket", {"le": "1.0"}) < metric(
+            url, "translator_batch_sentences_count"
+        )
+
+
+def test_full_queue_answers_429_at_once(weights_env: dict[str, str], test_sentences: list[str]) -> None:
+    env = {
+        **weights_env,
+        "TRANSLATOR_QUEUE_SIZE": "2",
+        "TRANSLATOR_MAX_BATCH_SENTENCES": "1",
+        "TRANSLATOR_CACHE_SIZE": "0",
+    }
+    with running_server(env) as url:
+        bodies = [{"q": f"{test_sentences[i]} {test_sentences[i + 1]}", **DOC} for i in range(0, 60, 2)]
+
+        async def timed() -> list[tuple[int, float, dict[str, str]]]:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
+                async def one(body: dict[str, Any]) -> tuple[int, float, dict[str, str]]:
+                    start = time.monotonic()
+                    r = await client.post("/translate", json=body)
+                    return r.status_code, time.monotonic() - start, dict(r.headers)
+
+                return await asyncio.gather(*(one(b) for b in bodies))
+
+        results = asyncio.run(timed())
+        codes = [code for code, _, _ in results]
+        assert set(codes) <= {200, 429} and 429 in codes and 200 in codes
+        rejected = [(seconds, headers) for code, seconds, headers in results if code == 429]
+        assert all(h["retry-after"] for _, h in rejected)
+        slowest_ok = max(seconds for code, seconds, _ in results if code == 200)
+        assert max(seconds for seconds, _ in rejected) < max(2.0, slowest_ok / 2)
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_timeout_gives_504_and_server_keeps_serving(weights_env: dict[str, str], test_sentences: list[str]) -> None:
+    env = {
+        **weights_env,
+        "TRANSLATOR_REQUEST_TIMEOUT_S": "0.05",
+        "TRANSLATOR_CACHE_SIZE": "0",
+        "TRANSLATOR_MAX_BATCH_SENTENCES": "2",
+    }
+    with running_server(env) as url:
+        r = httpx.post(f"{url}/translate", json={"q": test_sentences[:40], **DOC}, timeout=60)
+        assert r.status_code == 504 and r.json()["error_type"] == "timeout"
+        deadline = time.monotonic() + 10
+        while metric(url, "translator_queue_depth") > 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_disconnected_client_leaves_no_work_queued(weights_env: dict[str, str], test_sentences: list[str]) -> None:
+    env = {**weights_env, "TRANSLATOR_MAX_BATCH_SENTENCES": "1", "TRANSLATOR_CACHE_SIZE": "0"}
+    with running_server(env) as url:
+        before = metric(url, "translator_batch_sentences_count")
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/translate", json={"q": test_sentences[:60], **DOC}, timeout=0.3)
+        deadline = time.monotonic() + 5
+        while metric(url, "translator_queue_depth") > 0:
+            assert time.monotonic() < deadline, "queued sentences were not withdrawn"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        ran = metric(url, "translator_batch_sentences_count") - before
+        assert ran < 60, f"{ran:.0f} of 60 sentences were translated for a client that had left"
+
+
+def test_sigterm_finishes_accepted_requests(weights_env: dict[str, str], test_sentences: list[str]) -> None:
+    port = free_port()
+    env = {
+        **os.environ,
+        **weights_env,
+        "TRANSLATOR_PORT": str(port),
+        "TRANSLATOR_HOST": "127.0.0.1",
+        "TRANSLATOR_MAX_BATCH_SENTENCES": "2",
+        "TRANSLATOR_CACHE_SIZE": "0",
+    }
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "serve"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            wait_ready(url, proc, 120, log)
+            results: list[httpx.Response] = []
+
+            def client() -> None:
+                results.extend(asyncio.run(post_all(url, [{"q": test_sentences[i : i + 6], **DOC} for i in range(8)])))
+
+            thread = threading.Thread(target=client)
+            thread.start()
+            deadline = time.monotonic() + 10
+            while metric(url, "translator_inflight_requests") < 8:  # all 8 accepted (the scrape itself counts too)
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGTERM)
+            thread.join(120)
+            assert [r.status_code for r in results] == [200] * 8
+            assert all(len(r.json()["translatedText"]) == 6 for r in results)
+            # uvicorn re-raises the signal after its graceful shutdown, so -SIGTERM is a clean exit
+            assert proc.wait(60) in (0, -signal.SIGTERM)
+            log.seek(0)
+            assert '"message": "stopped"' in log.read()  # the lifespan shutdown (batcher drain) ran
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"{url}/health")
+        finally:
+            stop(proc)
+
+
+def test_ready_is_503_while_loading(weights_env: dict[str, str]) -> None:
+    port = free_port()
+    env = {**os.environ, **weights_env, "TRANSLATOR_PORT": str(port), "TRANSLATOR_HOST": "127.0.0.1"}
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        statuses: list[int] = []
+        deadline = time.monotonic() + 120
+        while (not statuses or statuses[-1] != 200) and time.monotonic() < deadline:
+            try:
+                statuses.append(httpx.get(f"{url}/ready", timeout=5).status_code)
+            except httpx.TransportError:
+                time.sleep(0.005)
+        assert statuses[0] == 503 and statuses[-1] == 200
+        assert set(statuses) == {503, 200}
+    finally:
+        stop(proc)
+
+
+def test_libretranslate_client_works_unchanged(weights_env: dict[str, str]) -> None:
+    from libretranslatepy import LibreTranslateAPI
+
+    with running_server(weights_env) as url:
+        client = LibreTranslateAPI(url)
+        text = "Ein Mann fährt mit dem Fahrrad."
+        ours = httpx.post(f"{url}/translate", json={"q": text, **DOC}).json()["translatedText"]
+        assert client.translate(text, "de", "en") == ours
+        assert {"code": "de", "name": "German", "targets": ["en"]} in client.languages()
+
+
+@pytest.mark.skipif(not SHIPPED.is_dir(), reason="needs the shipped weights")
+def test_shipped_model_translates_correctly(weights_env: dict[str, str]) -> None:
+    cases = {
+        "Ein Mann fährt mit dem Fahrrad.": ["man", "bike"],
+        "Zwei Hunde spielen im Schnee.": ["two", "dogs", "snow"],
+        "Eine Frau mit einem roten Hut sitzt auf einer Bank.": ["woman", "red", "hat", "bench"],
+    }
+    with running_server(weights_env) as url:
+        body = {"q": list(cases), **DOC}
+        out = httpx.post(f"{url}/translate", json=body, timeout=60).json()["translatedText"]
+        for translation, words in zip(out, cases.values(), strict=True):
+            lower = translation.lower()
+            assert all(w in lower for w in words), translation
+            assert translation[0].isupper() and translation.endswith(".")
