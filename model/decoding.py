@@ -127,8 +127,9 @@ def greedy_search(model: Transformer, src: torch.Tensor, options: DecodingOption
     finished = torch.zeros(b, dtype=torch.bool, device=src.device)
     tokens = torch.full((b,), cfg.bos_id, dtype=torch.long, device=src.device)
     for step in range(state.capacity):
-        logits = model.decode_step(tokens, state.cache, state.mask)  # (A, V)
-        step_logp, tokens = torch.log_softmax(logits.float(), dim=-1).max(dim=-1)  # (A,)
+        logits = model.decode_step(tokens, state.cache, state.mask).float()  # (A, V)
+        best, tokens = logits.max(dim=-1)  # (A,)
+        step_logp = best - torch.logsumexp(logits, dim=-1)
         ids = state.alive
         out[ids, step] = tokens
         log_prob[ids] += step_logp
@@ -155,6 +156,58 @@ def _hypothesis(row: torch.Tensor, length: int, score: float, log_prob: float, f
     return Hypothesis(tuple(row[:n].tolist()), score, log_prob, finished)
 
 
+class _Beams:
+    """K hypotheses per active sentence: raw log-probabilities, lengths, flags and tokens."""
+
+    def __init__(self, b: int, k: int, capacity: int, pad_id: int, device: torch.device) -> None:
+        self.k, self.pad_id = k, pad_id
+        self.scores = torch.full((b, k), -math.inf, device=device)  # raw cumulative log P
+        self.scores[:, 0] = 0.0  # all beams start identical: only the first may expand at step 0
+        self.length = torch.zeros(b, k, dtype=torch.long, device=device)  # tokens, EOS included
+        self.finished = torch.zeros(b, k, dtype=torch.bool, device=device)
+        self.eos = torch.zeros(b, k, dtype=torch.bool, device=device)  # finished by EOS (not truncated)
+        self.history = torch.full((b, k, capacity), pad_id, dtype=torch.long, device=device)
+
+    def advance(self, logp: torch.Tensor, step: int, alpha: float, eos_id: int) -> torch.Tensor:
+        """logp: (A, K, V) next-token log-probs (modified in place) -> back-pointer rows (A*K,).
+
+        Every alive hypothesis has step+1 tokens after this step, so one scalar length
+        penalty normalizes all alive candidates; a finished hypothesis competes with its own
+        normalized score through its single (PAD) continuation.
+        """
+        a, k, vocab = logp.shape
+        alive_lp = float(length_penalty(torch.tensor(step + 1), alpha))
+        candidates = logp.add_(self.scores[..., None])  # raw log P of every continuation
+        ranked = candidates / alive_lp if alpha else candidates
+        if bool(self.finished.any()):
+            done_lp = length_penalty(self.length[self.finished], alpha)
+            ranked[self.finished] = -math.inf
+            ranked[self.finished, self.pad_id] = self.scores[self.finished] / done_lp
+        _, flat = ranked.view(a, k * vocab).topk(k, dim=-1)  # (A, K), best first
+        beam, tok = flat // vocab, flat % vocab
+        was_finished = self.finished.gather(1, beam)
+        raw = candidates.view(a, k * vocab).gather(1, flat)
+        self.scores = torch.where(was_finished, self.scores.gather(1, beam), raw)
+        self.length = torch.where(was_finished, self.length.gather(1, beam), step + 1)
+        self.eos = self.eos.gather(1, beam) | (~was_finished & (tok == eos_id))
+        self.finished = was_finished | self.eos
+        self.history = self.history.gather(1, beam[..., None].expand_as(self.history))
+        self.history[:, :, step] = tok
+        return (beam + torch.arange(a, device=beam.device)[:, None] * k).view(-1)
+
+    def hypotheses(self, i: int, n_best: int, alpha: float) -> list[Hypothesis]:
+        """The n best of active sentence i (already sorted by normalized score)."""
+        lp = length_penalty(self.length[i, :n_best], alpha)
+        rows, lengths = self.history[i, :n_best].cpu(), self.length[i, :n_best].tolist()
+        raw, eos = self.scores[i, :n_best].tolist(), self.eos[i, :n_best].tolist()
+        normalized = (self.scores[i, :n_best] / lp).tolist()
+        return [_hypothesis(rows[j], lengths[j], normalized[j], raw[j], eos[j]) for j in range(n_best)]
+
+    def keep(self, keep: torch.Tensor) -> None:
+        for name in ("scores", "length", "finished", "eos", "history"):
+            setattr(self, name, getattr(self, name)[keep])
+
+
 @torch.inference_mode()
 def beam_search(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Decoded:
     """Vectorized beam search (top-k over beam x vocabulary) with GNMT length normalization.
@@ -163,62 +216,27 @@ def beam_search(model: Transformer, src: torch.Tensor, options: DecodingOptions)
     different lengths compete on normalized score; a sentence is done when all its beams
     are finished (or truncated at its length limit).
     """
-    cfg = model.config
-    k, dev = options.beam_size, src.device
-    b = src.shape[0]
+    cfg, k, alpha = model.config, options.beam_size, options.length_penalty
     state = _Batch(model, src, options, width=k)
-    vocab = cfg.tgt_vocab_size
-    scores = torch.full((b, k), -math.inf, device=dev)
-    scores[:, 0] = 0.0  # all beams start identical: only the first may expand at step 0
-    length = torch.zeros(b, k, dtype=torch.long, device=dev)
-    finished = torch.zeros(b, k, dtype=torch.bool, device=dev)
-    eos_seen = torch.zeros(b, k, dtype=torch.bool, device=dev)
-    history = torch.full((b, k, state.capacity), cfg.pad_id, dtype=torch.long, device=dev)
-    pad_only = torch.full((vocab,), -math.inf, device=dev)
-    pad_only[cfg.pad_id] = 0.0
-    tokens = torch.full((b * k,), cfg.bos_id, dtype=torch.long, device=dev)
-    results: list[list[Hypothesis]] = [[] for _ in range(b)]
+    beams = _Beams(src.shape[0], k, state.capacity, cfg.pad_id, src.device)
+    tokens = torch.full((src.shape[0] * k,), cfg.bos_id, dtype=torch.long, device=src.device)
+    results: list[list[Hypothesis]] = [[] for _ in range(src.shape[0])]
     for step in range(state.capacity):
         a = state.alive.numel()
         logits = model.decode_step(tokens, state.cache, state.mask)  # (A*K, V)
-        logp = torch.log_softmax(logits.float(), dim=-1).view(a, k, vocab)
-        logp = torch.where(finished[..., None], pad_only, logp)
-        candidates = scores[..., None] + logp  # (A, K, V) raw log-probabilities
-        new_length = length + (~finished).long()  # (A, K)
-        normalized = candidates / length_penalty(new_length, options.length_penalty)[..., None]
-        _, flat = normalized.view(a, k * vocab).topk(k, dim=-1)  # (A, K), best first
-        beam, tok = flat // vocab, flat % vocab
-        scores = candidates.view(a, k * vocab).gather(1, flat)
-        length = new_length.gather(1, beam)
-        was_finished = finished.gather(1, beam)
-        eos_seen = eos_seen.gather(1, beam) | (~was_finished & (tok == cfg.eos_id))
-        history = history.gather(1, beam[..., None].expand_as(history))
-        history[:, :, step] = tok
-        rows = (beam + torch.arange(a, device=dev)[:, None] * k).view(-1)  # (A*K,)
-        state.cache.reorder(rows)
-        at_limit = (state.limit[state.alive] <= step + 1)[:, None]
-        finished = was_finished | eos_seen | at_limit
-        tokens = tok.view(-1)
-        done = finished.all(dim=1)  # (A,)
-        if bool(done.any()):
-            lp = length_penalty(length, options.length_penalty)
-            for i in done.nonzero()[:, 0].tolist():
-                results[int(state.alive[i])] = [
-                    _hypothesis(
-                        history[i, j],
-                        int(length[i, j]),
-                        float(scores[i, j] / lp[i, j]),
-                        float(scores[i, j]),
-                        bool(eos_seen[i, j]),
-                    )
-                    for j in range(options.n_best)
-                ]
-            if bool(done.all()):
-                break
-            keep = (~done).nonzero()[:, 0]
-            state.keep(keep)
-            scores, length, finished, eos_seen, history = (
-                t[keep] for t in (scores, length, finished, eos_seen, history)
-            )
-            tokens = tokens.view(a, k)[keep].reshape(-1)
+        logp = torch.log_softmax(logits.float(), dim=-1).view(a, k, -1)
+        state.cache.reorder(beams.advance(logp, step, alpha, cfg.eos_id))
+        beams.finished |= (state.limit[state.alive] <= step + 1)[:, None]  # truncated at the limit
+        tokens = beams.history[:, :, step].reshape(-1)
+        done = beams.finished.all(dim=1)  # (A,)
+        if not bool(done.any()):
+            continue
+        for i in done.nonzero()[:, 0].tolist():
+            results[int(state.alive[i])] = beams.hypotheses(i, options.n_best, alpha)
+        if bool(done.all()):
+            break
+        keep = (~done).nonzero()[:, 0]
+        state.keep(keep)
+        beams.keep(keep)
+        tokens = tokens.view(a, k)[keep].reshape(-1)
     return Decoded(results, step + 1)
