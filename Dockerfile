@@ -1,0 +1,66 @@
+# syntax=docker/dockerfile:1
+#
+# The translation service with the shipped checkpoints baked in.
+#
+#   docker build -t transformer-translator .                          # CUDA-capable torch (PyPI's Linux build)
+#   docker build --build-arg VARIANT=cpu -t transformer-translator:cpu .   # CPU-only torch, a much smaller image
+#   docker run -p 8000:8000 transformer-translator:cpu
+#   docker run -p 8000:8000 -v "$PWD/weights:/app/weights:ro" transformer-translator:cpu   # other weights
+#
+# tests/e2e/test_docker_install.py replays the builder's RUN steps and the runtime's ENV and CMD in a fresh
+# virtual environment (with VARIANT=cpu), so keep every path in RUN steps behind $VIRTUAL_ENV.
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS builder
+# cuda: torch from PyPI (its Linux x86_64 wheel bundles CUDA); cpu: PyTorch's CPU-only wheel.
+ARG VARIANT=cuda
+ARG TORCH_VERSION=2.13.0
+# Overrides the index torch comes from (a mirror, or another CUDA build's index).
+ARG TORCH_INDEX=""
+ENV VIRTUAL_ENV=/opt/venv \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore
+WORKDIR /src
+RUN python -m venv "$VIRTUAL_ENV"
+# torch alone first: the biggest layer, and the one that changes least. Its own dependencies come
+# with the project's in the next step, from the default index.
+RUN case "$VARIANT" in \
+        cuda) index="${TORCH_INDEX:-https://pypi.org/simple}" ;; \
+        cpu) index="${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" ;; \
+        *) echo "VARIANT must be cuda or cpu, not '$VARIANT'" >&2; exit 1 ;; \
+    esac \
+    && "$VIRTUAL_ENV/bin/pip" install --no-deps --index-url "$index" "torch==$TORCH_VERSION"
+COPY pyproject.toml README.md ./
+COPY app app
+COPY model model
+# A regular (not editable) install without the dev extras; pip check fails the build on a broken set.
+RUN "$VIRTUAL_ENV/bin/pip" install . \
+    && "$VIRTUAL_ENV/bin/pip" check
+
+
+FROM ${PYTHON_IMAGE} AS runtime
+LABEL org.opencontainers.image.title="transformer-translator" \
+      org.opencontainers.image.description="Transformer (Attention Is All You Need) translation service"
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/app \
+    XDG_CACHE_HOME=/tmp/.cache \
+    TRANSLATOR_HOST=0.0.0.0 \
+    TRANSLATOR_PORT=8000 \
+    TRANSLATOR_WEIGHTS_DIR=/app/weights
+RUN groupadd --system --gid 10001 translator \
+    && useradd --system --uid 10001 --gid translator --home-dir /app --no-create-home --shell /usr/sbin/nologin translator
+COPY --from=builder /opt/venv /opt/venv
+WORKDIR /app
+# Root-owned and read-only to the service user. Replace them by mounting a folder over /app/weights.
+COPY weights/ weights/
+USER 10001:10001
+EXPOSE 8000
+# Ready (200) only once every model is loaded and warmed up; slim images have no curl.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:' + os.environ.get('TRANSLATOR_PORT', '8000') + '/ready', timeout=4)"]
+CMD ["translator", "serve"]
