@@ -82,21 +82,38 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
         await asyncio.gather(*(client(http) for _ in range(concurrency)))
         elapsed = time.perf_counter() - start
     ms = [1000 * x for x in latencies]
-    return LoadResult(concurrency, "", requests, round(requests / elapsed, 2), round(statistics.median(ms), 1),
-                      round(percentile(ms, 95), 1), round(percentile(ms, 99), 1), errors, beam)
+    return LoadResult(
+        concurrency,
+        "",
+        requests,
+        round(requests / elapsed, 2),
+        round(statistics.median(ms), 1),
+        round(percentile(ms, 95), 1),
+        round(percentile(ms, 99), 1),
+        errors,
+        beam,
+    )
 
 
 @contextmanager
 def server(weights: Path, batching: bool, threads: int, port: int) -> Iterator[str]:
-    env = {**os.environ, "TRANSLATOR_WEIGHTS_DIR": str(weights), "TRANSLATOR_PORT": str(port),
-           "TRANSLATOR_HOST": "127.0.0.1", "TRANSLATOR_CACHE_SIZE": "0", "TRANSLATOR_THREADS": str(threads),
-           "TRANSLATOR_LOG_LEVEL": "warning", "TRANSLATOR_QUEUE_SIZE": "100000"}
+    env = {
+        **os.environ,
+        "TRANSLATOR_WEIGHTS_DIR": str(weights),
+        "TRANSLATOR_PORT": str(port),
+        "TRANSLATOR_HOST": "127.0.0.1",
+        "TRANSLATOR_CACHE_SIZE": "0",
+        "TRANSLATOR_THREADS": str(threads),
+        "TRANSLATOR_LOG_LEVEL": "warning",
+        "TRANSLATOR_QUEUE_SIZE": "100000",
+    }
     if not batching:
         env["TRANSLATOR_MAX_BATCH_SENTENCES"] = "1"
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve"], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "serve"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
         try:
             deadline = time.monotonic() + 180
             while True:

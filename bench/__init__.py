@@ -1,0 +1,1 @@
+"""Benchmarks: decoding throughput against peers (``bench.decode``) and server load (``bench.load``)."""

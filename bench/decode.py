@@ -1,0 +1,412 @@
+"""Decoding throughput of our decoder against peers running the same weights.
+
+    python -m bench.decode --device cpu|cuda --beam-size N [--limit N]
+        [--systems ours,ctranslate2,ctranslate2-int8,marian,naive] [--weights weights/de-en]
+        [--threads 2] [--batch-size 64] [--naive-limit 100] [--dtype float32] [--no-isolate]
+
+Translates test_2016_flickr de->en and prints one JSON line per system: system, device,
+beam_size, sentences, seconds, sentences_per_s, tokens_per_s, peak_mem_mb, bleu (plus
+batch_size, threads, dtype for context).
+
+Systems (all load the same checkpoint folder):
+- ``ours``: ``model.decoding`` (batched, KV cache, vectorized beam).
+- ``ctranslate2`` / ``ctranslate2-int8``: the checkpoint converted by
+  ``bench.ctranslate2_convert`` into a temporary directory (not timed), run as float32 /
+  with ``compute_type="int8"``; ``inter_threads=1, intra_threads=--threads``.
+- ``marian``: ``transformers``' ``MarianMTModel.generate`` with our weights mapped by
+  ``bench.marian_convert`` (post-LN checkpoints only).
+- ``naive``: ``bench.naive``: one sentence at a time, greedy, no cache, on the first
+  ``--naive-limit`` sentences; ``ours-single`` (not in the default list) is our cached
+  greedy search on the same sentences one at a time, so naive vs ours-single isolates the cache.
+
+Protocol: the same sentences, sorted by source length and cut into the same batches of
+``--batch-size`` for every batched system; the same beam size and length penalty (the
+checkpoint's recommended decoding settings) and the same length limit: a batch may generate
+``model.decoding.max_steps`` tokens (EOS included) for its longest source, in every system
+(ours too, although it could limit each sentence separately, because CTranslate2 and
+``generate`` take one limit per call). Greedy search then gives the same tokens in all systems
+(up to floating-point ties). Beam search differs in length normalization: CTranslate2
+divides scores by length ** alpha (EOS not counted), Marian by length ** alpha (EOS counted),
+ours by GNMT's ((5 + length) / 6) ** alpha (EOS counted). It differs in stopping too: ours
+and Marian (``generate``'s default ``early_stopping=False``) end a sentence once ``beam``
+finished hypotheses outscore every live one, CTranslate2 once ``beam`` hypotheses have
+finished (alpha > 0) or the best one has (alpha = 0). With alpha = 0 the three gave the same
+tokens in the tests. torch runs with ``torch.set_num_threads(--threads)``. Each system
+translates ``--warmup`` sentences before the timed run, which covers tokenization,
+batching, decoding and detokenization (source strings to target strings).
+
+Metrics: ``tokens_per_s`` counts generated target pieces of the returned translations (EOS
+not counted). ``peak_mem_mb`` on the CPU is the process's peak resident set size during the
+timed run minus its resident size just before the system was set up (after importing its
+runtime): roughly the system's weights, runtime buffers and decoding working memory, in MiB.
+The peak comes from /proc/self/status ``VmHWM``, reset through /proc/self/clear_refs right
+before the timed run, so it covers C++ allocations (CTranslate2) as well as torch's; memory
+freed during setup (e.g. the float32 weights a converter read) is handed back to the OS
+(``malloc_trim``) before the run so it is not counted. By default each system runs in its own
+process (``--no-isolate`` runs them all in this one), so systems share no memory, thread
+pools or allocator caches. On CUDA it is ``torch.cuda.max_memory_allocated`` during the run
+minus the allocation before setup (torch systems only; null for CTranslate2, whose allocator
+torch cannot see).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import gc
+import importlib
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from bench import naive
+from model import checkpoint
+from model.checkpoint import Checkpoint
+from model.data import pad, read_lines
+from model.decoding import DecodingOptions, max_steps
+from model.evaluate import recommended_options, score_translations
+from model.translator import Translator
+
+log = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "multi30k"
+SYSTEMS = ("ours", "ctranslate2", "ctranslate2-int8", "marian", "naive", "ours-single")
+DEFAULT_SYSTEMS = "ours,ctranslate2,ctranslate2-int8,marian,naive"
+UNBATCHED = ("naive", "ours-single")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _status_kib(field: str) -> int | None:
+    """A ``Vm*`` field of /proc/self/status in KiB (None off Linux)."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(match.group(1)) if match else None
+
+
+def _reset_peak_rss() -> None:
+    """Set VmHWM back to the current RSS (Linux >= 4.0); without it the peak covers setup too."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError as err:
+        log.warning("cannot reset the peak RSS (%s); peak_mem_mb includes setup", err)
+
+
+def release_garbage() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc), so memory freed
+    during setup (e.g. the float32 weights a converter read) is not counted as resident."""
+    gc.collect()
+    with suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class PeakMemory:
+    """Peak memory of a timed run, in MiB above a baseline taken at construction (see docstring)."""
+
+    def __init__(self, device: str, tracks_torch: bool) -> None:
+        self.cuda = device == "cuda"
+        self.tracks_torch = tracks_torch
+        self.baseline = torch.cuda.memory_allocated() if self.cuda else _status_kib("VmRSS")
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            _reset_peak_rss()
+
+    def stop(self) -> float | None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return (torch.cuda.max_memory_allocated() - (self.baseline or 0)) / 2**20 if self.tracks_torch else None
+        peak = _status_kib("VmHWM")
+        return None if peak is None or self.baseline is None else (peak - self.baseline) / 1024
+
+
+def greedy(options: DecodingOptions) -> DecodingOptions:
+    return dataclasses.replace(options, beam_size=1, n_best=1)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One benchmark invocation; ``options`` are the checkpoint's decoding settings."""
+
+    weights: Path
+    device: str
+    dtype: str
+    beam_size: int
+    batch_size: int
+    threads: int
+    options: DecodingOptions
+
+
+@dataclass(frozen=True)
+class Output:
+    texts: list[str]
+    tokens: int  # generated target pieces, EOS not counted
+
+
+Translate = Callable[[list[str]], Output]
+
+
+def in_length_order(items: Sequence[T], lengths: Sequence[int], size: int, fn: Callable[[list[T]], list[R]]) -> list[R]:
+    """Apply ``fn`` to length-sorted chunks of at most ``size`` items; results in input order."""
+    order = sorted(range(len(items)), key=lambda i: lengths[i])
+    results: list[R | None] = [None] * len(items)
+    for start in range(0, len(order), size):
+        chunk = order[start : start + size]
+        for i, result in zip(chunk, fn([items[i] for i in chunk]), strict=True):
+            results[i] = result
+    return [r for r in results if r is not None]
+
+
+def batch_limit(src_lengths: Sequence[int], options: DecodingOptions, cap: int) -> int:
+    """Most tokens (EOS included) a batch may generate: ours' limit for its longest source (+EOS)."""
+    return int(max_steps(torch.tensor([n + 1 for n in src_lengths]), options, cap).max())
+
+
+def setup_ours(ckpt: Checkpoint, batch_size: int, options: DecodingOptions) -> Translate:
+    translator = Translator(ckpt.model, ckpt.tokenizer)
+    cap = ckpt.config.max_positions - 1
+
+    def decode(chunk: list[list[int]]) -> list[tuple[int, ...]]:
+        limit = batch_limit([len(x) for x in chunk], options, cap)  # the peers' per-batch limit
+        same = dataclasses.replace(options, max_length_a=0.0, max_length_b=limit, max_length=None)
+        return [hyps[0].ids for hyps in translator.decode_ids(chunk, same)]
+
+    def translate(texts: list[str]) -> Output:
+        ids = translator.encode(texts)
+        out = in_length_order(ids, [len(x) for x in ids], batch_size, decode)
+        return Output(ckpt.tokenizer.decode(out), sum(len(x) for x in out))
+
+    return translate
+
+
+def setup_naive(ckpt: Checkpoint, options: DecodingOptions) -> Translate:
+    def translate(texts: list[str]) -> Output:
+        out = naive.translate(ckpt.model, ckpt.tokenizer, texts, options)
+        return Output(ckpt.tokenizer.decode(out), sum(len(x) for x in out))
+
+    return translate
+
+
+def setup_ctranslate2(ckpt: Checkpoint, settings: Settings, folder: Path, int8: bool) -> Translate:
+    import ctranslate2
+
+    from bench.ctranslate2_convert import build_spec, write
+
+    write(build_spec(ckpt.model, ckpt.tokenizer), folder)
+    compute_type = settings.dtype
+    if int8:
+        compute_type = "int8" if settings.dtype == "float32" else f"int8_{settings.dtype}"
+    model = ctranslate2.Translator(
+        str(folder), device=settings.device, compute_type=compute_type, inter_threads=1, intra_threads=settings.threads
+    )
+    sp, options, cap = ckpt.tokenizer.sp, settings.options, ckpt.config.max_positions - 1
+
+    def decode(chunk: list[list[str]]) -> list[list[str]]:
+        results = model.translate_batch(
+            chunk,
+            max_batch_size=settings.batch_size,
+            batch_type="examples",
+            beam_size=options.beam_size,
+            length_penalty=options.length_penalty,
+            max_decoding_length=batch_limit([len(x) for x in chunk], options, cap),
+            min_decoding_length=0,
+            max_input_length=0,
+        )
+        return [r.hypotheses[0] for r in results]
+
+    def translate(texts: list[str]) -> Output:
+        pieces = sp.encode(texts, out_type=str)
+        out = in_length_order(pieces, [len(x) for x in pieces], settings.batch_size, decode)
+        return Output(list(sp.decode(out)), sum(len(x) for x in out))
+
+    return translate
+
+
+def setup_marian(ckpt: Checkpoint, settings: Settings) -> Translate:
+    from bench.marian_convert import to_marian
+
+    marian: Any = to_marian(ckpt.model)  # transformers' typing of .to() confuses mypy
+    marian.to(settings.device, DTYPES[settings.dtype])
+    cfg, tokenizer, options, device = ckpt.config, ckpt.tokenizer, settings.options, torch.device(settings.device)
+    beam: dict[str, Any] = {}
+    if options.beam_size > 1:  # generate's default early_stopping=False is ours' stopping rule
+        beam = {"num_beams": options.beam_size, "length_penalty": options.length_penalty}
+
+    def decode(chunk: list[list[int]]) -> list[list[int]]:
+        src = pad([[*x, cfg.eos_id] for x in chunk], cfg.pad_id).to(device)
+        generated = marian.generate(
+            input_ids=src,
+            attention_mask=(src != cfg.pad_id).long(),
+            max_new_tokens=batch_limit([len(x) for x in chunk], options, cfg.max_positions - 1),
+            **beam,
+        )
+        return [_until_eos(row[1:], cfg.eos_id) for row in generated.tolist()]
+
+    def translate(texts: list[str]) -> Output:
+        ids = tokenizer.encode(texts)
+        out = in_length_order(ids, [len(x) for x in ids], settings.batch_size, decode)
+        return Output(tokenizer.decode(out), sum(len(x) for x in out))
+
+    return translate
+
+
+def _until_eos(row: list[int], eos_id: int) -> list[int]:
+    """Generated ids after the start token, cut before the first EOS (the rest is padding)."""
+    return row[: row.index(eos_id)] if eos_id in row else row
+
+
+def import_runtime(system: str) -> None:
+    """Import a system's runtime before the memory baseline, so library code is not counted."""
+    if system.startswith("ctranslate2"):
+        importlib.import_module("bench.ctranslate2_convert")
+    elif system == "marian":
+        importlib.import_module("bench.marian_convert")
+
+
+def setup(system: str, settings: Settings, workdir: Path) -> Translate:
+    if system.startswith("ctranslate2"):  # the converters read float32 CPU weights
+        cpu = checkpoint.load(settings.weights, "cpu")
+        return setup_ctranslate2(cpu, settings, workdir / system, int8=system.endswith("int8"))
+    if system == "marian":
+        return setup_marian(checkpoint.load(settings.weights, "cpu"), settings)
+    ckpt = checkpoint.load(settings.weights, settings.device, DTYPES[settings.dtype])
+    if system == "ours":
+        return setup_ours(ckpt, settings.batch_size, settings.options)
+    if system == "ours-single":
+        return setup_ours(ckpt, 1, greedy(settings.options))
+    if system == "naive":
+        return setup_naive(ckpt, greedy(settings.options))
+    raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+
+
+def measure(system: str, settings: Settings, src: list[str], ref: list[str], warmup: int) -> dict[str, Any]:
+    """Set up one system, warm it up, time one pass over ``src`` and score it."""
+    import_runtime(system)
+    release_garbage()
+    meter = PeakMemory(settings.device, tracks_torch=not system.startswith("ctranslate2"))
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        translate = setup(system, settings, Path(tmp))
+        release_garbage()
+        translate(src[:warmup])
+        meter.start()
+        start = time.perf_counter()
+        out = translate(src)
+        seconds = time.perf_counter() - start
+        peak = meter.stop()
+    unbatched = system in UNBATCHED
+    return {
+        "system": system,
+        "device": settings.device,
+        "beam_size": 1 if unbatched else settings.beam_size,
+        "sentences": len(src),
+        "seconds": round(seconds, 3),
+        "sentences_per_s": round(len(src) / seconds, 2),
+        "tokens_per_s": round(out.tokens / seconds, 1),
+        "peak_mem_mb": None if peak is None else round(peak, 1),
+        "bleu": score_translations(out.texts, ref)["bleu"],
+        "batch_size": 1 if unbatched else settings.batch_size,
+        "threads": settings.threads,
+        "dtype": settings.dtype,
+    }
+
+
+def run_isolated(system: str, argv: Sequence[str]) -> list[str]:
+    """Run one system in a child process of this module (same cwd); return its JSON lines."""
+    cmd = [sys.executable, "-m", "bench.decode", *argv, "--systems", system, "--no-isolate"]
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False, env={**os.environ, "PYTHONPATH": path})
+    if proc.returncode:
+        raise RuntimeError(f"{system}: benchmark process exited with {proc.returncode} (its stderr is above)")
+    return [line for line in proc.stdout.splitlines() if line.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--beam-size", type=int, default=1)
+    parser.add_argument("--limit", type=int, default=0, help="only the first N test sentences (0 = all)")
+    parser.add_argument("--systems", default=DEFAULT_SYSTEMS, help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    parser.add_argument("--weights", type=Path, default=ROOT / "weights" / "de-en", help="checkpoint folder")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads per system")
+    parser.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
+    parser.add_argument("--naive-limit", type=int, default=100, help="sentences for naive and ours-single")
+    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="weights/compute dtype")
+    parser.add_argument("--warmup", type=int, default=16, help="sentences translated before timing")
+    parser.add_argument("--data-dir", type=Path, default=DATA, help="folder with test_2016_flickr.{de,en}.gz")
+    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True, help="one process per system")
+    return parser.parse_args(argv)
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    meta = checkpoint.read_meta(args.weights)
+    options = recommended_options(meta, args.beam_size)
+    return Settings(args.weights, args.device, args.dtype, args.beam_size, args.batch_size, args.threads, options)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.isolate and len(systems) > 1:
+        child_argv = _without_systems(sys.argv[1:] if argv is None else argv)
+        failed = []
+        for system in systems:
+            try:
+                for line in run_isolated(system, child_argv):
+                    print(line, flush=True)
+            except RuntimeError as err:  # e.g. a peer that cannot run on this device: report the rest
+                log.error("%s", err)
+                failed.append(system)
+        if failed:
+            raise SystemExit(f"failed: {', '.join(failed)}")
+        return
+    settings = settings_from(args)
+    src = read_lines(args.data_dir / "test_2016_flickr.de.gz")
+    ref = read_lines(args.data_dir / "test_2016_flickr.en.gz")
+    n = args.limit or len(src)
+    torch.set_num_threads(args.threads)
+    for system in systems:
+        k = min(n, args.naive_limit) if system in UNBATCHED else n
+        warmup = min(args.warmup, 2) if system in UNBATCHED else args.warmup
+        print(json.dumps(measure(system, settings, src[:k], ref[:k], warmup)), flush=True)
+
+
+def _without_systems(argv: list[str]) -> list[str]:
+    """argv minus any --systems option (the child gets its own)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--systems":
+            skip = True
+        elif not arg.startswith("--systems="):
+            out.append(arg)
+    return out
+
+
+if __name__ == "__main__":
+    main()
