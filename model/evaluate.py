@@ -1,7 +1,7 @@
 """Score a checkpoint on a test set with sacreBLEU.
 
     python -m model.evaluate --weights weights/de-en --src FILE --ref FILE \
-        [--beam-size N] [--batch-size N] [--device D] [--limit N]
+        [--beam-size N] [--batch-size N] [--device D] [--limit N] [--threads N]
 
 prints one JSON line: bleu (cased, 13a), bleu_lc (lowercased), chrf, sentences, seconds.
 """
@@ -92,8 +92,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="sentences per batch (approx.)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--limit", type=int, help="only the first N sentences")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ckpt = checkpoint.load(args.weights, args.device)
     src, ref = read_lines(args.src), read_lines(args.ref)
     if args.limit:

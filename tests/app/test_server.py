@@ -209,8 +209,7 @@ def test_libretranslate_client_works_unchanged(weights_env: dict[str, str]) -> N
         assert {"code": "de", "name": "German", "targets": ["en"]} in client.languages()
 
 
-@pytest.mark.skipif(not SHIPPED.is_dir(), reason="needs the shipped weights")
-def test_shipped_model_translates_correctly(weights_env: dict[str, str]) -> None:
+def test_shipped_model_translates_correctly(shipped: Path, weights_env: dict[str, str]) -> None:
     cases = {
         "Ein Mann fährt mit dem Fahrrad.": ["man", "bike"],
         "Zwei Hunde spielen im Schnee.": ["two", "dogs", "snow"],

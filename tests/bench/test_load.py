@@ -1,0 +1,56 @@
+"""The load benchmark against a real server process, and its latency/throughput plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.load import percentile
+from bench.plot import plot, read_rows
+from tests.helpers import ROOT, free_port
+
+KEYS = {"concurrency", "batching", "requests", "rps", "p50_ms", "p95_ms", "p99_ms", "errors"}
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(x) for x in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 95) == 95.0
+    assert percentile(values, 99) == 99.0
+    assert percentile([7.0], 99) == 7.0
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+@pytest.mark.slow
+def test_cli_prints_one_line_per_run_and_plots(tiny_weights_dir: Path, data_dir: Path, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "bench.load", "--concurrency", "1,8", "--requests", "24", "--batching", "on,off"]
+    cmd += ["--weights", str(tiny_weights_dir), "--beam-size", "1", "--port", str(free_port()), "--data", str(data_dir)]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(r["batching"], r["concurrency"]) for r in rows] == [("on", 1), ("on", 8), ("off", 1), ("off", 8)]
+    for row in rows:
+        assert set(row) >= KEYS, row
+        assert row["requests"] == 24 and row["errors"] == 0
+        assert row["rps"] > 0 and 0 < row["p50_ms"] <= row["p95_ms"] <= row["p99_ms"]
+
+    log = tmp_path / "load.jsonl"
+    log.write_text("some log line\n" + proc.stdout)
+    assert read_rows(log.read_text().splitlines()) == rows
+    out = plot(rows, tmp_path / "load.png")
+    width, height = png_size(out)
+    assert width > 400 and height > 300
+    with pytest.raises(ValueError):
+        plot([], tmp_path / "empty.png")

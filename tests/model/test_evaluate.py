@@ -1,0 +1,44 @@
+"""Quality regression: the shipped de-en weights, scored by the evaluate command on test_2016."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from model.evaluate import score_translations
+from tests.helpers import ROOT
+
+# The shipped model scores bleu_lc 45.6 (greedy) and 46.9 (beam 5) on these 100 sentences
+# (weights/de-en/metrics.json has the full-set numbers); a drop of ~3 points fails.
+FLOOR_BEAM = {1: 42.0, 5: 43.0}
+
+
+def test_scores_are_sacrebleu_corpus_scores() -> None:
+    refs = ["A man rides a bike.", "Two dogs play in the snow."]
+    perfect = score_translations(refs, refs)
+    assert perfect == {"bleu": 100.0, "bleu_lc": 100.0, "chrf": 100.0}
+    lower = score_translations([r.lower() for r in refs], refs)
+    assert lower["bleu_lc"] == 100.0 and lower["bleu"] < 100.0
+    with pytest.raises(ValueError):
+        score_translations(refs[:1], refs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beam", [1, 5])
+def test_shipped_weights_score_above_the_floor(shipped: Path, data_dir: Path, beam: int) -> None:
+    cmd = [sys.executable, "-m", "model.evaluate", "--weights", str(shipped), "--limit", "100"]
+    cmd += ["--src", str(data_dir / "test_2016_flickr.de.gz"), "--ref", str(data_dir / "test_2016_flickr.en.gz")]
+    cmd += ["--beam-size", str(beam), "--threads", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, proc.stdout  # exactly one JSON line
+    result = json.loads(lines[0])
+    assert set(result) >= {"bleu", "bleu_lc", "chrf", "sentences", "seconds"}
+    assert result["sentences"] == 100 and result["seconds"] > 0
+    assert result["bleu_lc"] >= FLOOR_BEAM[beam], result
+    assert result["bleu"] <= result["bleu_lc"] and result["chrf"] > 50
