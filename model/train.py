@@ -214,7 +214,7 @@ class Trainer:
         epochs = self.out / "epochs"
         epochs.mkdir(exist_ok=True)
         save_file(checkpoint.unique_state(self.model), str(epochs / f"epoch{self.epoch:03d}.safetensors"))
-        keep = {e["epoch"] for e in self._candidates()} | {self.epoch}
+        keep = {e["epoch"] for e in self._candidates()} | {self._best()["epoch"], self.epoch}
         for f in epochs.glob("epoch*.safetensors"):
             if int(f.stem.removeprefix("epoch")) not in keep:
                 f.unlink()
@@ -225,6 +225,10 @@ class Trainer:
             self.scheduler,
             {"step": self.step, "epoch": self.epoch, "history": self.history},
         )
+
+    def _best(self) -> dict[str, Any]:
+        """The epoch record with the highest validation BLEU (the earliest on ties)."""
+        return max(self.history, key=lambda e: e["valid_bleu"])
 
     def _candidates(self) -> list[dict[str, Any]]:
         """Epoch records to average: the last K or the best K by validation BLEU."""
@@ -239,13 +243,15 @@ class Trainer:
         log.info("resumed %s at epoch %d, step %d", self.out, self.epoch, self.step)
 
     def finish(self) -> Path:
-        """Average, select on validation BLEU, write OUT/model with its scores."""
+        """Average, select (``optim.select``), write OUT/model with its scores."""
         files = [self.out / "epochs" / f"epoch{e['epoch']:03d}.safetensors" for e in self._candidates()]
-        best = max(self.history, key=lambda e: e["valid_bleu"])
-        options = {
-            "averaged": average_files(files),
-            "best": load_file(str(self.out / "epochs" / f"epoch{best['epoch']:03d}.safetensors")),
-        }
+        options = {"averaged": average_files(files)}
+        best = self.out / "epochs" / f"epoch{self._best()['epoch']:03d}.safetensors"
+        if self.cfg.optim.select == "val_bleu":
+            if best.exists():
+                options["best"] = load_file(str(best))
+            else:  # runs made before the best epoch was always kept
+                log.warning("%s is gone; choosing among the averaged checkpoint only", best)
         scores = {}
         for name, state in options.items():
             checkpoint.assign(self.model, state, name)

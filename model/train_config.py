@@ -50,6 +50,9 @@ class OptimConfig:
     patience: int = 8  # epochs without a better validation BLEU before stopping
     average: Literal["last", "best"] = "last"
     average_count: int = 5
+    # the final weights: "val_bleu" keeps whichever of the average and the best single epoch
+    # scores higher in greedy validation BLEU; "averaged" always ships the average
+    select: Literal["val_bleu", "averaged"] = "val_bleu"
     threads: int = 0  # CPU threads for torch; 0 = torch's default
 
 
