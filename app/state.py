@@ -11,6 +11,7 @@ from app.errors import ApiError
 from app.metrics import Metrics
 from app.service import TranslationService, discover
 from app.settings import Settings
+from model.allocator import tune_malloc
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class AppState:
         try:
             if self.settings.threads:
                 torch.set_num_threads(self.settings.threads)
+            tune_malloc()
             for path in discover(self.settings.weights_dir):
                 service = TranslationService(path, self.settings, self.metrics)
                 service.start()

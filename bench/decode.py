@@ -2,7 +2,8 @@
 
     python -m bench.decode --device cpu|cuda --beam-size N [--limit N]
         [--systems ours,ctranslate2,ctranslate2-int8,marian,naive] [--weights weights/de-en]
-        [--threads 2] [--batch-size 64] [--naive-limit 100] [--dtype float32] [--no-isolate]
+        [--threads 2] [--batch-size 64] [--naive-limit 100] [--dtype float32] [--repeat 3]
+        [--rounds 1] [--no-isolate]
 
 Translates test_2016_flickr de->en and prints one JSON line per system: system, device,
 beam_size, sentences, seconds, sentences_per_s, tokens_per_s, peak_mem_mb, bleu (plus
@@ -31,9 +32,15 @@ ours by GNMT's ((5 + length) / 6) ** alpha (EOS counted). It differs in stopping
 and Marian (``generate``'s default ``early_stopping=False``) end a sentence once ``beam``
 finished hypotheses outscore every live one, CTranslate2 once ``beam`` hypotheses have
 finished (alpha > 0) or the best one has (alpha = 0). With alpha = 0 the three gave the same
-tokens in the tests. torch runs with ``torch.set_num_threads(--threads)``. Each system
-translates ``--warmup`` sentences before the timed run, which covers tokenization,
-batching, decoding and detokenization (source strings to target strings).
+tokens in the tests. torch runs with ``torch.set_num_threads(--threads)``, and every system's
+process with glibc malloc tuned by ``model.allocator.tune_malloc`` (as the service runs). Each system
+translates ``--warmup`` sentences, then times ``--repeat`` passes and reports the median
+(``runs_s`` lists them all); a pass covers tokenization, batching, decoding and
+detokenization (source strings to target strings). This machine's speed drifts by 10-20%
+from minute to minute, so ratios are best read with ``--rounds N``: every system's process
+runs N times, round-robin, and the median round is reported (``rounds_s`` lists them all).
+Systems are not timed in one process: their thread pools (torch's and CTranslate2's OpenMP
+threads spin after each parallel region) slowed whichever ran next by up to 50%.
 
 Metrics: ``tokens_per_s`` counts generated target pieces of the returned translations (EOS
 not counted). ``peak_mem_mb`` on the CPU is the process's peak resident set size during the
@@ -60,6 +67,7 @@ import json
 import logging
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,6 +82,7 @@ import torch
 
 from bench import naive
 from model import checkpoint
+from model.allocator import tune_malloc
 from model.checkpoint import Checkpoint
 from model.data import pad, read_lines
 from model.decoding import DecodingOptions, max_steps
@@ -299,8 +308,11 @@ def setup(system: str, settings: Settings, workdir: Path) -> Translate:
     raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
 
 
-def measure(system: str, settings: Settings, src: list[str], ref: list[str], warmup: int) -> dict[str, Any]:
-    """Set up one system, warm it up, time one pass over ``src`` and score it."""
+def measure(
+    system: str, settings: Settings, src: list[str], ref: list[str], warmup: int, repeat: int = 1
+) -> dict[str, Any]:
+    """Set up one system, warm it up, time ``repeat`` passes over ``src`` (the median counts:
+    this machine's speed drifts by 10-20% between runs) and score the output."""
     import_runtime(system)
     release_garbage()
     meter = PeakMemory(settings.device, tracks_torch=not system.startswith("ctranslate2"))
@@ -309,10 +321,13 @@ def measure(system: str, settings: Settings, src: list[str], ref: list[str], war
         release_garbage()
         translate(src[:warmup])
         meter.start()
-        start = time.perf_counter()
-        out = translate(src)
-        seconds = time.perf_counter() - start
+        runs = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            out = translate(src)
+            runs.append(time.perf_counter() - start)
         peak = meter.stop()
+    seconds = statistics.median(runs)
     unbatched = system in UNBATCHED
     return {
         "system": system,
@@ -327,7 +342,31 @@ def measure(system: str, settings: Settings, src: list[str], ref: list[str], war
         "batch_size": 1 if unbatched else settings.batch_size,
         "threads": settings.threads,
         "dtype": settings.dtype,
+        "runs_s": [round(r, 3) for r in runs],
     }
+
+
+def run_rounds(systems: Sequence[str], child_argv: list[str], rounds: int) -> None:
+    """Each system in its own process, ``rounds`` times round-robin (so a drift in machine
+    speed hits every system alike); print each system's median round, with all rounds' times."""
+    rows: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
+    failed: set[str] = set()
+    for _ in range(rounds):
+        for system in systems:
+            if system in failed:
+                continue
+            try:
+                rows[system] += [json.loads(line) for line in run_isolated(system, child_argv)]
+            except RuntimeError as err:  # e.g. a peer that cannot run on this device: report the rest
+                log.error("%s", err)
+                failed.add(system)
+    for system in systems:
+        if rows[system]:
+            ordered = sorted(rows[system], key=lambda r: r["seconds"])
+            median = ordered[(len(ordered) - 1) // 2]
+            print(json.dumps({**median, "rounds_s": [r["seconds"] for r in rows[system]]}), flush=True)
+    if failed:
+        raise SystemExit(f"failed: {', '.join(sorted(failed))}")
 
 
 def run_isolated(system: str, argv: Sequence[str]) -> list[str]:
@@ -352,8 +391,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--naive-limit", type=int, default=100, help="sentences for naive and ours-single")
     parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="weights/compute dtype")
     parser.add_argument("--warmup", type=int, default=16, help="sentences translated before timing")
+    parser.add_argument("--repeat", type=int, default=3, help="timed passes per system; the median is reported")
     parser.add_argument("--data-dir", type=Path, default=DATA, help="folder with test_2016_flickr.{de,en}.gz")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True, help="one process per system")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="isolated runs of every system, round-robin; the median run is reported"
+    )
     return parser.parse_args(argv)
 
 
@@ -370,28 +413,20 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
-    if args.isolate and len(systems) > 1:
-        child_argv = _without_systems(sys.argv[1:] if argv is None else argv)
-        failed = []
-        for system in systems:
-            try:
-                for line in run_isolated(system, child_argv):
-                    print(line, flush=True)
-            except RuntimeError as err:  # e.g. a peer that cannot run on this device: report the rest
-                log.error("%s", err)
-                failed.append(system)
-        if failed:
-            raise SystemExit(f"failed: {', '.join(failed)}")
+    if args.isolate and (len(systems) > 1 or args.rounds > 1):
+        run_rounds(systems, _without_systems(sys.argv[1:] if argv is None else argv), args.rounds)
         return
     settings = settings_from(args)
     src = read_lines(args.data_dir / "test_2016_flickr.de.gz")
     ref = read_lines(args.data_dir / "test_2016_flickr.en.gz")
     n = args.limit or len(src)
     torch.set_num_threads(args.threads)
+    tune_malloc()  # every system, so all run under the same allocator settings
     for system in systems:
         k = min(n, args.naive_limit) if system in UNBATCHED else n
         warmup = min(args.warmup, 2) if system in UNBATCHED else args.warmup
-        print(json.dumps(measure(system, settings, src[:k], ref[:k], warmup)), flush=True)
+        repeat = 1 if system in UNBATCHED else args.repeat
+        print(json.dumps(measure(system, settings, src[:k], ref[:k], warmup, repeat)), flush=True)
 
 
 def _without_systems(argv: list[str]) -> list[str]:

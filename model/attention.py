@@ -117,9 +117,21 @@ class CrossAttention(nn.Module):
         mask: torch.Tensor | None,
         need_weights: bool = False,
     ) -> AttentionOutput:
-        """x: (B, T, D), memory_kv from ``project_memory``, mask (B, 1, 1, S) -> (B, T, D)."""
-        q = split_heads(self.q(x), self.n_heads)  # (B, H, T, Dh)
+        """x: (R, T, D), memory_kv from ``project_memory`` (B, H, S, Dh), mask (B, 1, 1, S) -> (R, T, D).
+
+        R = B * W: each group of W consecutive rows (a sentence's beam hypotheses) reads one
+        sentence's memory. The groups' queries are stacked, so memory is never copied per beam.
+        """
+        q = split_heads(self.q(x), self.n_heads)  # (R, H, T, Dh)
         k, v = memory_kv
+        r, h, t, dh = q.shape
+        width = r // k.shape[0]
+        if width > 1:
+            q = q.view(-1, width, h, t, dh).transpose(1, 2).reshape(-1, h, width * t, dh)  # (B, H, W*T, Dh)
         p = self.dropout if self.training else 0.0
         out, weights = attend(q, k, v, mask, False, p, need_weights)
+        if width > 1:
+            out = out.view(-1, h, width, t, dh).transpose(1, 2).reshape(r, h, t, dh)
+            weights = None if weights is None else weights.view(-1, h, width, t, k.shape[2]).transpose(1, 2)
+            weights = None if weights is None else weights.reshape(r, h, t, k.shape[2])
         return self.out(merge_heads(out)), weights

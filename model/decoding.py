@@ -88,7 +88,11 @@ def decode(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> D
 
 
 class _Batch:
-    """Decoding state shared by greedy and beam search: cache, mask and the active rows."""
+    """Decoding state shared by greedy and beam search: cache, mask and the active sentences.
+
+    Each active sentence owns ``width`` consecutive cache rows (its hypotheses); its encoder
+    memory and mask are stored once and shared by those rows.
+    """
 
     def __init__(self, model: Transformer, src: torch.Tensor, options: DecodingOptions, width: int):
         cfg = model.config
@@ -96,22 +100,15 @@ class _Batch:
         src_lengths = self.mask.sum(dim=(1, 2, 3))
         self.limit = max_steps(src_lengths, options, cfg.max_positions - 1)  # (B,)
         self.capacity = int(self.limit.max())
-        self.cache: KVCache = model.init_cache(memory, self.capacity)
+        self.cache: KVCache = model.init_cache(memory, self.capacity, width)
         self.alive = torch.arange(src.shape[0], device=src.device)  # sentence ids still decoding
-        self.width = width
-        if width > 1:  # every sentence gets `width` rows: expand memory K/V and mask once
-            rows = self.alive.repeat_interleave(width)
-            self.cache.select(rows)
-            self.mask = self.mask.index_select(0, rows)
 
-    def keep(self, keep: torch.Tensor) -> None:
-        """Keep the active sentences at positions ``keep`` (A',) of the active set."""
-        rows = keep
-        if self.width > 1:
-            offsets = torch.arange(self.width, device=keep.device)
-            rows = (keep[:, None] * self.width + offsets).reshape(-1)
-        self.cache.select(rows)
-        self.mask = self.mask.index_select(0, rows)
+    def keep(self, keep: torch.Tensor, rows: torch.Tensor) -> None:
+        """Keep the active sentences at positions ``keep`` (A',) of the active set; their cache
+        rows become ``rows`` (A' * width,) of the current ones (beam back-pointers included)."""
+        self.cache.reorder(rows)
+        self.cache.select_memory(keep)
+        self.mask = self.mask.index_select(0, keep)
         self.alive = self.alive[keep]
 
 
@@ -141,7 +138,7 @@ def greedy_search(model: Transformer, src: torch.Tensor, options: DecodingOption
             break
         if bool(done.any()):
             keep = (~done).nonzero()[:, 0]
-            state.keep(keep)
+            state.keep(keep, keep)
             tokens = tokens[keep]
     score = log_prob / length_penalty(length, options.length_penalty)
     hyps = [
@@ -157,43 +154,45 @@ def _hypothesis(row: torch.Tensor, length: int, score: float, log_prob: float, f
 
 
 class _Beams:
-    """K hypotheses per active sentence: raw log-probabilities, lengths, flags and tokens."""
+    """Up to K hypotheses per active sentence: raw log-probabilities, lengths, flags and tokens.
+
+    Every sentence starts with one hypothesis (BOS), so the first step runs one row per
+    sentence instead of K identical ones; from the second step on there are K.
+    """
 
     def __init__(self, b: int, k: int, capacity: int, pad_id: int, device: torch.device) -> None:
         self.k, self.pad_id = k, pad_id
-        self.scores = torch.full((b, k), -math.inf, device=device)  # raw cumulative log P
-        self.scores[:, 0] = 0.0  # all beams start identical: only the first may expand at step 0
-        self.length = torch.zeros(b, k, dtype=torch.long, device=device)  # tokens, EOS included
-        self.finished = torch.zeros(b, k, dtype=torch.bool, device=device)
-        self.eos = torch.zeros(b, k, dtype=torch.bool, device=device)  # finished by EOS (not truncated)
-        self.history = torch.full((b, k, capacity), pad_id, dtype=torch.long, device=device)
+        self.scores = torch.zeros(b, 1, device=device)  # raw cumulative log P, (A, W)
+        self.length = torch.zeros(b, 1, dtype=torch.long, device=device)  # tokens, EOS included
+        self.finished = torch.zeros(b, 1, dtype=torch.bool, device=device)
+        self.eos = torch.zeros(b, 1, dtype=torch.bool, device=device)  # finished by EOS (not truncated)
+        self.history = torch.full((b, 1, capacity), pad_id, dtype=torch.long, device=device)
 
-    def advance(self, logp: torch.Tensor, step: int, alpha: float, eos_id: int) -> torch.Tensor:
-        """logp: (A, K, V) next-token log-probs (modified in place) -> back-pointer rows (A*K,).
+    def advance(self, logits: torch.Tensor, step: int, alpha: float, eos_id: int) -> torch.Tensor:
+        """logits: (A, W, V) float32 next-token logits (overwritten) -> back-pointer rows (A*K,).
 
-        Every alive hypothesis has step+1 tokens after this step, so one scalar length
-        penalty normalizes all alive candidates; a finished hypothesis competes with its own
-        normalized score through its single (PAD) continuation.
+        Every alive hypothesis has step+1 tokens after this step, so all alive candidates share
+        one length penalty and rank by raw log P; a finished hypothesis competes through its
+        single (PAD) continuation, its normalized score mapped into that raw scale.
         """
-        a, k, vocab = logp.shape
-        alive_lp = float(length_penalty(torch.tensor(step + 1), alpha))
-        candidates = logp.add_(self.scores[..., None])  # raw log P of every continuation
-        ranked = candidates / alive_lp if alpha else candidates
+        a, w, vocab = logits.shape
+        # raw log P of every continuation, in place: logits - logsumexp + score
+        candidates = logits.add_((self.scores - torch.logsumexp(logits, dim=-1))[..., None])
         if bool(self.finished.any()):
+            scale = float(length_penalty(torch.tensor(step + 1), alpha))
             done_lp = length_penalty(self.length[self.finished], alpha)
-            ranked[self.finished] = -math.inf
-            ranked[self.finished, self.pad_id] = self.scores[self.finished] / done_lp
-        _, flat = ranked.view(a, k * vocab).topk(k, dim=-1)  # (A, K), best first
+            candidates[self.finished] = -math.inf
+            candidates[self.finished, self.pad_id] = self.scores[self.finished] / done_lp * scale
+        raw, flat = candidates.view(a, w * vocab).topk(self.k, dim=-1)  # (A, K), best first
         beam, tok = flat // vocab, flat % vocab
         was_finished = self.finished.gather(1, beam)
-        raw = candidates.view(a, k * vocab).gather(1, flat)
         self.scores = torch.where(was_finished, self.scores.gather(1, beam), raw)
         self.length = torch.where(was_finished, self.length.gather(1, beam), step + 1)
         self.eos = self.eos.gather(1, beam) | (~was_finished & (tok == eos_id))
         self.finished = was_finished | self.eos
-        self.history = self.history.gather(1, beam[..., None].expand_as(self.history))
+        self.history = self.history.gather(1, beam[..., None].expand(-1, -1, self.history.shape[2]))
         self.history[:, :, step] = tok
-        return (beam + torch.arange(a, device=beam.device)[:, None] * k).view(-1)
+        return (beam + torch.arange(a, device=beam.device)[:, None] * w).view(-1)
 
     def hypotheses(self, i: int, n_best: int, alpha: float) -> list[Hypothesis]:
         """The n best of active sentence i (already sorted by normalized score)."""
@@ -219,24 +218,24 @@ def beam_search(model: Transformer, src: torch.Tensor, options: DecodingOptions)
     cfg, k, alpha = model.config, options.beam_size, options.length_penalty
     state = _Batch(model, src, options, width=k)
     beams = _Beams(src.shape[0], k, state.capacity, cfg.pad_id, src.device)
-    tokens = torch.full((src.shape[0] * k,), cfg.bos_id, dtype=torch.long, device=src.device)
+    tokens = torch.full((src.shape[0],), cfg.bos_id, dtype=torch.long, device=src.device)
     results: list[list[Hypothesis]] = [[] for _ in range(src.shape[0])]
     for step in range(state.capacity):
         a = state.alive.numel()
-        logits = model.decode_step(tokens, state.cache, state.mask)  # (A*K, V)
-        logp = torch.log_softmax(logits.float(), dim=-1).view(a, k, -1)
-        state.cache.reorder(beams.advance(logp, step, alpha, cfg.eos_id))
+        logits = model.decode_step(tokens, state.cache, state.mask)  # (A*W, V), W = 1 at step 0, then K
+        back = beams.advance(logits.float().view(a, -1, logits.shape[-1]), step, alpha, cfg.eos_id)  # (A*K,)
         beams.finished |= (state.limit[state.alive] <= step + 1)[:, None]  # truncated at the limit
         tokens = beams.history[:, :, step].reshape(-1)
         done = beams.finished.all(dim=1)  # (A,)
         if not bool(done.any()):
+            state.cache.reorder(back)
             continue
         for i in done.nonzero()[:, 0].tolist():
             results[int(state.alive[i])] = beams.hypotheses(i, options.n_best, alpha)
         if bool(done.all()):
             break
         keep = (~done).nonzero()[:, 0]
-        state.keep(keep)
+        state.keep(keep, back.view(a, k)[keep].reshape(-1))  # one copy: reorder and drop
         beams.keep(keep)
         tokens = tokens.view(a, k)[keep].reshape(-1)
     return Decoded(results, step + 1)

@@ -20,6 +20,7 @@ import sacrebleu
 import torch
 
 from model import checkpoint
+from model.allocator import tune_malloc
 from model.data import read_lines, read_parallel, split_file
 from model.decoding import DecodingOptions
 from model.translator import Translator
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
+    tune_malloc()
     ckpt = checkpoint.load(args.weights, args.device)
     src, ref = read_lines(args.src), read_lines(args.ref)
     if args.limit:

@@ -222,12 +222,16 @@ class Transformer(nn.Module):
         weight = self.output.weight if self.output is not None else self.tgt_embed.tokens.weight
         return F.linear(h, weight)
 
-    def init_cache(self, memory: torch.Tensor, capacity: int) -> KVCache:
-        """Project the memory (B, S, D) to every layer's cross K/V once; room for capacity steps."""
-        return KVCache([LayerCache(layer.cross_attn.project_memory(memory), capacity) for layer in self.decoder_layers])
+    def init_cache(self, memory: torch.Tensor, capacity: int, width: int = 1) -> KVCache:
+        """Project the memory (B, S, D) to every layer's cross K/V once; room for capacity steps
+        of B * width rows (width hypotheses per sentence, sharing its cross K/V)."""
+        return KVCache(
+            [LayerCache(layer.cross_attn.project_memory(memory), capacity, width) for layer in self.decoder_layers]
+        )
 
     def decode_step(self, tokens: torch.Tensor, cache: KVCache, memory_mask: torch.Tensor) -> torch.Tensor:
-        """One incremental step. tokens: (B,) the last emitted ids -> logits (B, V)."""
+        """One incremental step. tokens: (R,) the last emitted ids, R = B * width; memory_mask
+        (B, 1, 1, S) -> logits (R, V)."""
         x = self.tgt_embed(tokens[:, None], offset=cache.length)  # (B, 1, D)
         for layer, layer_cache in zip(self.decoder_layers, cache.layers, strict=True):
             x, _, _ = layer(x, layer_cache.cross_kv, memory_mask, cache=layer_cache)

@@ -86,3 +86,13 @@ def test_cli_prints_one_json_line_per_system(tiny_weights_dir: Path, data_dir: P
 def test_cli_runs_each_system_in_its_own_process(tiny_weights_dir: Path, data_dir: Path) -> None:
     rows = run_cli(tiny_weights_dir / "de-en", data_dir, "--systems", "ours,ctranslate2", "--beam-size", "2")
     assert [(r["system"], r["beam_size"], r["sentences"]) for r in rows] == [("ours", 2, 8), ("ctranslate2", 2, 8)]
+
+
+@pytest.mark.slow
+def test_rounds_report_the_median_round_of_each_system(tiny_weights_dir: Path, data_dir: Path) -> None:
+    rows = run_cli(tiny_weights_dir / "de-en", data_dir, "--systems", "ours,ctranslate2", "--rounds", "3")
+    assert [r["system"] for r in rows] == ["ours", "ctranslate2"]
+    for row in rows:
+        rounds = row["rounds_s"]
+        assert len(rounds) == 3 and row["seconds"] == sorted(rounds)[1]
+        assert len(row["runs_s"]) == 3  # --repeat's default passes within each round
