@@ -102,6 +102,12 @@ class _Batch:
         self.capacity = int(self.limit.max())
         self.cache: KVCache = model.init_cache(memory, self.capacity, width)
         self.alive = torch.arange(src.shape[0], device=src.device)  # sentence ids still decoding
+        self.head_t = model.output_matrix().t().contiguous()  # (D, V), see Transformer.logits
+        self.model = model
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (R,) last ids of the live rows -> next-token logits (R, V) as float32."""
+        return self.model.decode_step(tokens, self.cache, self.mask, self.head_t).float()
 
     def keep(self, keep: torch.Tensor, rows: torch.Tensor) -> None:
         """Keep the active sentences at positions ``keep`` (A',) of the active set; their cache
@@ -124,7 +130,7 @@ def greedy_search(model: Transformer, src: torch.Tensor, options: DecodingOption
     finished = torch.zeros(b, dtype=torch.bool, device=src.device)
     tokens = torch.full((b,), cfg.bos_id, dtype=torch.long, device=src.device)
     for step in range(state.capacity):
-        logits = model.decode_step(tokens, state.cache, state.mask).float()  # (A, V)
+        logits = state.step(tokens)  # (A, V)
         best, tokens = logits.max(dim=-1)  # (A,)
         step_logp = best - torch.logsumexp(logits, dim=-1)
         ids = state.alive
@@ -169,15 +175,14 @@ class _Beams:
         self.history = torch.full((b, 1, capacity), pad_id, dtype=torch.long, device=device)
 
     def advance(self, logits: torch.Tensor, step: int, alpha: float, eos_id: int) -> torch.Tensor:
-        """logits: (A, W, V) float32 next-token logits (overwritten) -> back-pointer rows (A*K,).
+        """logits: (A, W, V) float32 next-token logits -> back-pointer rows (A*K,).
 
         Every alive hypothesis has step+1 tokens after this step, so all alive candidates share
         one length penalty and rank by raw log P; a finished hypothesis competes through its
         single (PAD) continuation, its normalized score mapped into that raw scale.
         """
         a, w, vocab = logits.shape
-        # raw log P of every continuation, in place: logits - logsumexp + score
-        candidates = logits.add_((self.scores - torch.logsumexp(logits, dim=-1))[..., None])
+        candidates = torch.log_softmax(logits, dim=-1).add_(self.scores[..., None])  # raw log P
         if bool(self.finished.any()):
             scale = float(length_penalty(torch.tensor(step + 1), alpha))
             done_lp = length_penalty(self.length[self.finished], alpha)
@@ -222,8 +227,8 @@ def beam_search(model: Transformer, src: torch.Tensor, options: DecodingOptions)
     results: list[list[Hypothesis]] = [[] for _ in range(src.shape[0])]
     for step in range(state.capacity):
         a = state.alive.numel()
-        logits = model.decode_step(tokens, state.cache, state.mask)  # (A*W, V), W = 1 at step 0, then K
-        back = beams.advance(logits.float().view(a, -1, logits.shape[-1]), step, alpha, cfg.eos_id)  # (A*K,)
+        logits = state.step(tokens)  # (A*W, V), W = 1 at step 0, then K
+        back = beams.advance(logits.view(a, -1, logits.shape[-1]), step, alpha, cfg.eos_id)  # (A*K,)
         beams.finished |= (state.limit[state.alive] <= step + 1)[:, None]  # truncated at the limit
         tokens = beams.history[:, :, step].reshape(-1)
         done = beams.finished.all(dim=1)  # (A,)

@@ -215,12 +215,18 @@ class Transformer(nn.Module):
         return x, mask, weights
 
     # --- decoder -------------------------------------------------------------------------
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h: (..., D) -> (..., V)."""
+    def output_matrix(self) -> torch.Tensor:
+        """(V, D): the output projection (the shared embedding when tied)."""
+        return self.output.weight if self.output is not None else self.tgt_embed.tokens.weight
+
+    def logits(self, h: torch.Tensor, head_t: torch.Tensor | None = None) -> torch.Tensor:
+        """h: (..., D) -> (..., V). ``head_t``: optionally ``output_matrix().t().contiguous()``,
+        (D, V), which a decoder can make once per batch: the CPU GEMM ran 10-15% faster on it."""
         if self.decoder_norm is not None:
             h = self.decoder_norm(h)
-        weight = self.output.weight if self.output is not None else self.tgt_embed.tokens.weight
-        return F.linear(h, weight)
+        if head_t is not None:
+            return h @ head_t
+        return F.linear(h, self.output_matrix())
 
     def init_cache(self, memory: torch.Tensor, capacity: int, width: int = 1) -> KVCache:
         """Project the memory (B, S, D) to every layer's cross K/V once; room for capacity steps
@@ -229,13 +235,15 @@ class Transformer(nn.Module):
             [LayerCache(layer.cross_attn.project_memory(memory), capacity, width) for layer in self.decoder_layers]
         )
 
-    def decode_step(self, tokens: torch.Tensor, cache: KVCache, memory_mask: torch.Tensor) -> torch.Tensor:
+    def decode_step(
+        self, tokens: torch.Tensor, cache: KVCache, memory_mask: torch.Tensor, head_t: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One incremental step. tokens: (R,) the last emitted ids, R = B * width; memory_mask
-        (B, 1, 1, S) -> logits (R, V)."""
+        (B, 1, 1, S); head_t: see ``logits`` -> logits (R, V)."""
         x = self.tgt_embed(tokens[:, None], offset=cache.length)  # (B, 1, D)
         for layer, layer_cache in zip(self.decoder_layers, cache.layers, strict=True):
             x, _, _ = layer(x, layer_cache.cross_kv, memory_mask, cache=layer_cache)
-        return self.logits(x[:, 0])
+        return self.logits(x[:, 0], head_t)
 
     def decode(
         self,
