@@ -44,13 +44,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self.sp.get_piece_size())
 
+    # One call per text: sentencepiece's list API starts a thread pool on every call, which
+    # measured ~95 us per call against ~3 us per text this way (and it competes with the
+    # model's threads in the service).
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        """Batch encode to ids (no BOS/EOS)."""
-        return [list(ids) for ids in self.sp.encode(list(texts), out_type=int)]
+        """Encode texts to ids (no BOS/EOS)."""
+        return [list(self.sp.encode(text, out_type=int)) for text in texts]
 
     def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
-        """Batch decode ids to detokenized, cased text (special ids are dropped)."""
-        return [str(t) for t in self.sp.decode([list(x) for x in ids])]
+        """Decode ids to detokenized, cased text (special ids are dropped)."""
+        return [str(self.sp.decode(list(x))) for x in ids]
 
     def pieces(self, ids: Sequence[int]) -> list[str]:
         """Ids to sentencepiece pieces (word starts carry the '▁' marker)."""
