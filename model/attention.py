@@ -135,8 +135,8 @@ class CrossAttention(nn.Module):
             q = q.view(-1, width, h, t, dh).transpose(1, 2).reshape(-1, h, width * t, dh)  # (B, H, W*T, Dh)
         p = self.dropout if self.training else 0.0
         out, weights = attend(q, k, v, mask, False, p, need_weights)
-        if width > 1:
+        if width > 1:  # back to one row per hypothesis
             out = out.view(-1, h, width, t, dh).transpose(1, 2).reshape(r, h, t, dh)
-            weights = None if weights is None else weights.view(-1, h, width, t, k.shape[2]).transpose(1, 2)
-            weights = None if weights is None else weights.reshape(r, h, t, k.shape[2])
+            if weights is not None:
+                weights = weights.view(-1, h, width, t, k.shape[2]).transpose(1, 2).reshape(r, h, t, k.shape[2])
         return self.out(merge_heads(out)), weights
