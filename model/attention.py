@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.cache import LayerCache
+from model.linear import Linear
 from model.masks import causal_mask, fill_blocked
 
 # Up to this many queries per head (incremental decoding: one query per hypothesis, or a
@@ -73,8 +74,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.n_heads = n_heads
         self.dropout = dropout
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.out = nn.Linear(d_model, d_model)
+        self.qkv = Linear(d_model, 3 * d_model)
+        self.out = Linear(d_model, d_model)
 
     def forward(
         self,
@@ -106,14 +107,15 @@ class CrossAttention(nn.Module):
         super().__init__()
         self.n_heads = n_heads
         self.dropout = dropout
-        self.q = nn.Linear(d_model, d_model)
-        self.kv = nn.Linear(d_model, 2 * d_model)
-        self.out = nn.Linear(d_model, d_model)
+        self.q = Linear(d_model, d_model)
+        self.kv = Linear(d_model, 2 * d_model)
+        self.out = Linear(d_model, d_model)
 
     def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """memory: (B, S, D) -> K, V each (B, H, S, Dh)."""
+        """memory: (B, S, D) -> K, V each (B, H, S, Dh), contiguous: made once per batch and
+        read at every decoding step, where a strided K/V would be copied by each matmul."""
         k, v = self.kv(memory).chunk(2, dim=-1)
-        return split_heads(k, self.n_heads), split_heads(v, self.n_heads)
+        return split_heads(k, self.n_heads).contiguous(), split_heads(v, self.n_heads).contiguous()
 
     def forward(
         self,

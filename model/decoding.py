@@ -62,6 +62,35 @@ def max_steps(src_lengths: torch.Tensor, options: DecodingOptions, cap: int) -> 
     return limit.clamp(min=1, max=cap)
 
 
+# top_k splits each row into blocks of this many scores (see there).
+TOP_K_BLOCK = 64
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row and their columns, best first. x: (R, V) -> (R, k), (R, k).
+
+    ``torch.topk`` over an 8,000-way row took ~5 us per row on the CPU (and ``argmax`` ~3 us),
+    against ~0.2 us for a row's ``amax``. So rows are cut into blocks of ``TOP_K_BLOCK``: the k
+    blocks with the largest maxima hold the k largest values (any value outside them is beaten
+    by k block maxima), and ``topk`` only ranks those k blocks' scores (3-4x faster overall;
+    ties between equal values may break differently from ``torch.topk``). Other devices,
+    and rows too short for it to pay off, use ``torch.topk``.
+    """
+    r, v = x.shape
+    blocks, tail = divmod(v, TOP_K_BLOCK)
+    if x.device.type != "cpu" or blocks < 4 * k:
+        return x.topk(k, dim=-1)
+    main = x[:, : blocks * TOP_K_BLOCK].view(r, blocks, TOP_K_BLOCK)
+    chosen = main.amax(dim=-1).topk(k, dim=-1).indices  # (R, k) block ids
+    candidates = main.gather(1, chosen[..., None].expand(-1, -1, TOP_K_BLOCK)).view(r, k * TOP_K_BLOCK)
+    columns = (chosen[..., None] * TOP_K_BLOCK + torch.arange(TOP_K_BLOCK, device=x.device)).view(r, -1)
+    if tail:  # the last, partial block always competes
+        candidates = torch.cat([candidates, x[:, blocks * TOP_K_BLOCK :]], dim=1)
+        columns = torch.cat([columns, torch.arange(blocks * TOP_K_BLOCK, v, device=x.device).expand(r, -1)], dim=1)
+    values, j = candidates.topk(k, dim=-1)
+    return values, columns.gather(1, j)
+
+
 def length_penalty(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
     """GNMT length penalty ((5 + |Y|) / 6) ** alpha, elementwise."""
     if alpha == 0:
@@ -102,12 +131,11 @@ class _Batch:
         self.capacity = int(self.limit.max())
         self.cache: KVCache = model.init_cache(memory, self.capacity, width)
         self.alive = torch.arange(src.shape[0], device=src.device)  # sentence ids still decoding
-        self.head_t = model.output_matrix().t().contiguous()  # (D, V), see Transformer.logits
         self.model = model
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: (R,) last ids of the live rows -> next-token logits (R, V) as float32."""
-        return self.model.decode_step(tokens, self.cache, self.mask, self.head_t).float()
+        return self.model.decode_step(tokens, self.cache, self.mask).float()
 
     def keep(self, keep: torch.Tensor, rows: torch.Tensor) -> None:
         """Keep the active sentences at positions ``keep`` (A',) of the active set; their cache
@@ -130,9 +158,9 @@ def greedy_search(model: Transformer, src: torch.Tensor, options: DecodingOption
     finished = torch.zeros(b, dtype=torch.bool, device=src.device)
     tokens = torch.full((b,), cfg.bos_id, dtype=torch.long, device=src.device)
     for step in range(state.capacity):
-        logits = state.step(tokens)  # (A, V)
-        best, tokens = logits.max(dim=-1)  # (A,)
-        step_logp = best - torch.logsumexp(logits, dim=-1)
+        logp = torch.log_softmax(state.step(tokens), dim=-1)  # (A, V)
+        step_logp, best = top_k(logp, 1)
+        step_logp, tokens = step_logp[:, 0], best[:, 0]  # (A,)
         ids = state.alive
         out[ids, step] = tokens
         log_prob[ids] += step_logp
@@ -179,17 +207,23 @@ class _Beams:
 
         Every alive hypothesis has step+1 tokens after this step, so all alive candidates share
         one length penalty and rank by raw log P; a finished hypothesis competes through its
-        single (PAD) continuation, its normalized score mapped into that raw scale.
+        single (PAD) continuation, its normalized score mapped into that raw scale. The K best
+        of a sentence's W x V candidates are among the K best of each of its W rows, so each row
+        is cut to K first (``top_k``) and only the sentence's W x K survivors are ranked.
         """
         a, w, vocab = logits.shape
-        candidates = torch.log_softmax(logits, dim=-1).add_(self.scores[..., None])  # raw log P
-        if bool(self.finished.any()):
-            scale = float(length_penalty(torch.tensor(step + 1), alpha))
-            done_lp = length_penalty(self.length[self.finished], alpha)
-            candidates[self.finished] = -math.inf
-            candidates[self.finished, self.pad_id] = self.scores[self.finished] / done_lp * scale
-        raw, flat = candidates.view(a, w * vocab).topk(self.k, dim=-1)  # (A, K), best first
-        beam, tok = flat // vocab, flat % vocab
+        k = self.k
+        logp, tok = top_k(torch.log_softmax(logits, dim=-1).view(a * w, vocab), k)
+        candidates = logp.view(a, w, k) + self.scores[..., None]  # raw log P, (A, W, K)
+        scale = float(length_penalty(torch.tensor(step + 1), alpha))
+        done = (self.scores / length_penalty(self.length, alpha) * scale)[..., None]  # (A, W, 1)
+        only_first = torch.full((k,), -math.inf, device=logits.device)
+        only_first[0] = 0.0
+        finished = self.finished[..., None]
+        candidates = torch.where(finished, done + only_first, candidates)
+        tok = torch.where(finished, self.pad_id, tok.view(a, w, k))
+        raw, flat = candidates.view(a, w * k).topk(k, dim=-1)  # (A, K), best first
+        beam, tok = flat // k, tok.view(a, w * k).gather(1, flat)
         was_finished = self.finished.gather(1, beam)
         self.scores = torch.where(was_finished, self.scores.gather(1, beam), raw)
         self.length = torch.where(was_finished, self.length.gather(1, beam), step + 1)

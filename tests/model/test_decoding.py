@@ -7,17 +7,19 @@ import torch
 
 from model.config import ModelConfig
 from model.data import pad
-from model.decoding import DecodingOptions, beam_search, decode, greedy_search
+from model.decoding import TOP_K_BLOCK, DecodingOptions, beam_search, decode, greedy_search, top_k
 from model.transformer import Transformer
 
 V = 60
+# A vocabulary large enough for decoding's blocked top-k on the CPU (V = 60 uses torch.topk).
+BIG_V = 40 * TOP_K_BLOCK + 17
 
 
-def make_model(seed: int = 0, **overrides: object) -> Transformer:
+def make_model(seed: int = 0, vocab: int = V, **overrides: object) -> Transformer:
     torch.manual_seed(seed)
     base: dict[str, object] = dict(
-        src_vocab_size=V,
-        tgt_vocab_size=V,
+        src_vocab_size=vocab,
+        tgt_vocab_size=vocab,
         d_model=32,
         n_heads=4,
         encoder_layers=2,
@@ -35,10 +37,23 @@ def make_model(seed: int = 0, **overrides: object) -> Transformer:
     return model.eval()
 
 
-def sources(n: int, seed: int = 1, min_len: int = 2, max_len: int = 12) -> list[list[int]]:
+def sources(n: int, seed: int = 1, min_len: int = 2, max_len: int = 12, vocab: int = V) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
-    return [[*torch.randint(4, V, (length,), generator=g).tolist(), 3] for length in lengths]
+    return [[*torch.randint(4, vocab, (length,), generator=g).tolist(), 3] for length in lengths]
+
+
+@pytest.mark.parametrize("columns", [BIG_V, 40 * TOP_K_BLOCK, 3 * TOP_K_BLOCK + 5, 7])
+@pytest.mark.parametrize("k", [1, 4, 5])
+def test_top_k_matches_torch_topk(columns: int, k: int) -> None:
+    x = torch.randn(33, columns, generator=torch.Generator().manual_seed(columns + k))
+    x[3] = -float("inf")  # a row of a finished hypothesis: all blocked but one
+    x[3, columns - 1] = 0.0
+    expected = x.topk(k, dim=-1)
+    values, columns_ = top_k(x, k)
+    assert torch.equal(values, expected.values)
+    assert torch.equal(columns_[:, 0], expected.indices[:, 0])  # later -inf ties may differ
+    assert torch.equal(columns_[[i for i in range(33) if i != 3]], expected.indices[[i for i in range(33) if i != 3]])
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
@@ -57,9 +72,10 @@ def test_cached_steps_match_full_recomputation(norm_first: bool, positions: str)
     assert cache.length == tgt.shape[1]
 
 
-def test_greedy_equals_beam_of_one() -> None:
-    model = make_model()
-    src = pad(sources(6), 0)
+@pytest.mark.parametrize("vocab", [V, BIG_V])
+def test_greedy_equals_beam_of_one(vocab: int) -> None:
+    model = make_model(vocab=vocab)
+    src = pad(sources(6, vocab=vocab), 0)
     opts = DecodingOptions(beam_size=1)
     greedy = greedy_search(model, src, opts).hypotheses
     beam = beam_search(model, src, opts).hypotheses
@@ -79,10 +95,11 @@ def test_larger_beam_never_scores_worse_than_greedy(alpha: float) -> None:
             assert b[0].score >= g[0].score - 1e-5
 
 
+@pytest.mark.parametrize("vocab", [V, BIG_V])
 @pytest.mark.parametrize("beam_size", [1, 4])
-def test_mixed_length_batch_matches_each_sentence_alone(beam_size: int) -> None:
-    model = make_model(seed=2)
-    rows = sources(7, seed=9, min_len=1, max_len=20)
+def test_mixed_length_batch_matches_each_sentence_alone(beam_size: int, vocab: int) -> None:
+    model = make_model(seed=2, vocab=vocab)
+    rows = sources(7, seed=9, min_len=1, max_len=20, vocab=vocab)
     opts = DecodingOptions(beam_size=beam_size, n_best=beam_size)
     batched = decode(model, pad(rows, 0), opts).hypotheses
     for row, together in zip(rows, batched, strict=True):
@@ -92,9 +109,10 @@ def test_mixed_length_batch_matches_each_sentence_alone(beam_size: int) -> None:
             assert a.score == pytest.approx(t.score, abs=1e-4)
 
 
-def test_n_best_sorted_and_distinct() -> None:
-    model = make_model(seed=4)
-    src = pad(sources(5, seed=11), 0)
+@pytest.mark.parametrize("vocab", [V, BIG_V])
+def test_n_best_sorted_and_distinct(vocab: int) -> None:
+    model = make_model(seed=4, vocab=vocab)
+    src = pad(sources(5, seed=11, vocab=vocab), 0)
     for hyps in decode(model, src, DecodingOptions(beam_size=6, n_best=6)).hypotheses:
         scores = [h.score for h in hyps]
         assert scores == sorted(scores, reverse=True)
