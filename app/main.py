@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -23,12 +24,15 @@ log = logging.getLogger(__name__)
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Start loading the models in the background (so /health and /ready answer at once);
-    on shutdown, let the batchers finish what was accepted."""
+    on shutdown, let the batchers finish what was accepted. The loader is a thread of its own
+    that ends after loading, not one of asyncio's executor threads, which live on (with the
+    OpenMP pool of whatever torch work they did; see ``BatchScheduler.start``)."""
     state: AppState = app.state.translator
-    loading = asyncio.create_task(asyncio.to_thread(state.load))
+    loader = threading.Thread(target=state.load, name="loader", daemon=True)
+    loader.start()
     yield
     state.draining = True
-    await loading
+    await asyncio.to_thread(loader.join)
     await asyncio.to_thread(state.close)
     log.info("stopped")
 

@@ -78,8 +78,7 @@ class TranslationService:
         self.quality = _read_metrics(path)
 
     def start(self) -> None:
-        self.warm_up()
-        self.scheduler.start()
+        self.scheduler.start(warm_up=self.warm_up)
         self.metrics.model_info.labels(self.direction, self.device.type, str(self.dtype).removeprefix("torch.")).set(1)
 
     def warm_up(self) -> None:
