@@ -15,16 +15,17 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from app.metrics import Metrics
-from model.decoding import Decoded, DecodingOptions, Hypothesis
+from model.decoding import DecodingOptions, Finished, Hypothesis
 
 log = logging.getLogger(__name__)
 
-RunBatch = Callable[[list[list[int]], DecodingOptions], Decoded]
+# Decodes a batch, yielding each sentence as soon as it is done (``Translator.decode_stream``).
+RunBatch = Callable[[list[list[int]], DecodingOptions], Iterator[Finished]]
 
 
 class QueueFull(Exception):
@@ -210,18 +211,25 @@ class BatchScheduler:
                 job.loop.call_soon_threadsafe(_set_exception, job.future, err)
 
     def _run_sentences(self, batch: list[Job]) -> None:
+        """Decode the batch; each sentence goes to its request the moment it is done, so the
+        short sentences of a batch do not wait for its longest one."""
         options = batch[0].options
         assert options is not None
         ids = [job.ids for job in batch]
-        decoded = self.run_batch(ids, options)
+        steps = target_tokens = delivered = 0
+        for done in self.run_batch(ids, options):
+            best = done.hypotheses[0]
+            steps, target_tokens = max(steps, done.steps), target_tokens + len(best.ids) + int(best.finished)
+            _deliver(batch[done.index], done.hypotheses)
+            delivered += 1
+        if delivered != len(batch):
+            raise RuntimeError(f"decoding returned {delivered} of {len(batch)} sentences")
         m, d = self.metrics, self.direction
         m.batch_sentences.observe(len(batch))
         m.batch_tokens.observe(len(batch) * (max(len(i) for i in ids) + 1))
-        m.decode_steps.labels(d).inc(decoded.steps)
+        m.decode_steps.labels(d).inc(steps)
         m.source_tokens.labels(d).inc(sum(len(i) + 1 for i in ids))
-        m.target_tokens.labels(d).inc(sum(len(h[0].ids) + int(h[0].finished) for h in decoded.hypotheses))
-        for job, hyps in zip(batch, decoded.hypotheses, strict=True):
-            _deliver(job, hyps)
+        m.target_tokens.labels(d).inc(target_tokens)
 
 
 def _deliver(job: Job, result: list[Hypothesis] | Any) -> None:

@@ -73,7 +73,7 @@ class TranslationService:
         limits = BatchLimits(
             settings.max_batch_sentences, settings.max_batch_tokens, settings.max_wait_ms / 1000, settings.queue_size
         )
-        self.scheduler = BatchScheduler(self.translator.decode_batch, limits, metrics, self.direction)
+        self.scheduler = BatchScheduler(self.translator.decode_stream, limits, metrics, self.direction)
         self._cache: OrderedDict[tuple[str, DecodingOptions], list[Hypothesis]] = OrderedDict()
         self.quality = _read_metrics(path)
 

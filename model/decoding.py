@@ -8,6 +8,7 @@ steps of a batch only pay for the sentences still being decoded.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -106,14 +107,49 @@ class Decoded:
     steps: int
 
 
-@torch.inference_mode()
+@dataclass(frozen=True)
+class Finished:
+    """One sentence of a batch, done: its row in the batch, its n-best, and the decoder steps
+    the batch had run when it finished."""
+
+    index: int
+    hypotheses: list[Hypothesis]
+    steps: int
+
+
+def decode_stream(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Iterator[Finished]:
+    """src: (B, S) padded ids, each row ending with EOS -> each sentence as soon as it is done
+    (the batch goes on decoding the others), in the order they finish."""
+    if src.shape[0] == 0:
+        return iter(())
+    if options.beam_size == 1:
+        return greedy_stream(model, src, options)
+    return beam_stream(model, src, options)
+
+
 def decode(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Decoded:
     """src: (B, S) padded ids, each row ending with EOS -> n_best hypotheses per sentence."""
-    if src.shape[0] == 0:
-        return Decoded([], 0)
-    if options.beam_size == 1:
-        return greedy_search(model, src, options)
-    return beam_search(model, src, options)
+    return collect(decode_stream(model, src, options), src.shape[0])
+
+
+def greedy_search(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Decoded:
+    """Batched greedy decoding (``greedy_stream``, collected)."""
+    return collect(greedy_stream(model, src, options), src.shape[0])
+
+
+def beam_search(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Decoded:
+    """Batched beam search (``beam_stream``, collected)."""
+    return collect(beam_stream(model, src, options), src.shape[0])
+
+
+def collect(stream: Iterator[Finished], batch_size: int) -> Decoded:
+    """Put a stream's sentences back in batch order."""
+    hypotheses: list[list[Hypothesis]] = [[] for _ in range(batch_size)]
+    steps = 0
+    for done in stream:
+        hypotheses[done.index] = done.hypotheses
+        steps = max(steps, done.steps)
+    return Decoded(hypotheses, steps)
 
 
 class _Batch:
@@ -147,8 +183,8 @@ class _Batch:
 
 
 @torch.inference_mode()
-def greedy_search(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Decoded:
-    """Batched greedy decoding; sentences leave the batch when they emit EOS."""
+def greedy_stream(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Iterator[Finished]:
+    """Batched greedy decoding; sentences leave the batch (and are yielded) when they emit EOS."""
     cfg = model.config
     b = src.shape[0]
     state = _Batch(model, src, options, width=1)
@@ -168,17 +204,17 @@ def greedy_search(model: Transformer, src: torch.Tensor, options: DecodingOption
         eos = tokens == cfg.eos_id
         finished[ids] = eos
         done = eos | (state.limit[ids] <= step + 1)
+        if not bool(done.any()):
+            continue
+        for i in ids[done].tolist():
+            score = float(log_prob[i] / length_penalty(length[i], options.length_penalty))
+            hyp = _hypothesis(out[i], int(length[i]), score, float(log_prob[i]), bool(finished[i]))
+            yield Finished(i, [hyp], step + 1)
         if bool(done.all()):
-            break
-        if bool(done.any()):
-            keep = (~done).nonzero()[:, 0]
-            state.keep(keep, keep)
-            tokens = tokens[keep]
-    score = log_prob / length_penalty(length, options.length_penalty)
-    hyps = [
-        [_hypothesis(out[i], int(length[i]), float(score[i]), float(log_prob[i]), bool(finished[i]))] for i in range(b)
-    ]
-    return Decoded(hyps, step + 1)
+            return
+        keep = (~done).nonzero()[:, 0]
+        state.keep(keep, keep)
+        tokens = tokens[keep]
 
 
 def _hypothesis(row: torch.Tensor, length: int, score: float, log_prob: float, finished: bool) -> Hypothesis:
@@ -247,18 +283,17 @@ class _Beams:
 
 
 @torch.inference_mode()
-def beam_search(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Decoded:
+def beam_stream(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Iterator[Finished]:
     """Vectorized beam search (top-k over beam x vocabulary) with GNMT length normalization.
 
     Finished hypotheses stay in the beam, extended only by PAD at no cost, so candidates of
-    different lengths compete on normalized score; a sentence is done when all its beams
-    are finished (or truncated at its length limit).
+    different lengths compete on normalized score; a sentence is done (and yielded) when all
+    its beams are finished (or truncated at its length limit).
     """
     cfg, k, alpha = model.config, options.beam_size, options.length_penalty
     state = _Batch(model, src, options, width=k)
     beams = _Beams(src.shape[0], k, state.capacity, cfg.pad_id, src.device)
     tokens = torch.full((src.shape[0],), cfg.bos_id, dtype=torch.long, device=src.device)
-    results: list[list[Hypothesis]] = [[] for _ in range(src.shape[0])]
     for step in range(state.capacity):
         a = state.alive.numel()
         logits = state.step(tokens)  # (A*W, V), W = 1 at step 0, then K
@@ -270,11 +305,10 @@ def beam_search(model: Transformer, src: torch.Tensor, options: DecodingOptions)
             state.cache.reorder(back)
             continue
         for i in done.nonzero()[:, 0].tolist():
-            results[int(state.alive[i])] = beams.hypotheses(i, options.n_best, alpha)
+            yield Finished(int(state.alive[i]), beams.hypotheses(i, options.n_best, alpha), step + 1)
         if bool(done.all()):
-            break
+            return
         keep = (~done).nonzero()[:, 0]
         state.keep(keep, back.view(a, k)[keep].reshape(-1))  # one copy: reorder and drop
         beams.keep(keep)
         tokens = tokens.view(a, k)[keep].reshape(-1)
-    return Decoded(results, step + 1)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from model.data import pad
-from model.decoding import Decoded, DecodingOptions, Hypothesis, decode
+from model.decoding import Decoded, DecodingOptions, Finished, Hypothesis, collect, decode_stream
 from model.tokenizer import Tokenizer
 from model.transformer import AttentionMaps, Transformer
 
@@ -77,11 +77,15 @@ class Translator:
 
     def decode_batch(self, batch: Sequence[Sequence[int]], options: DecodingOptions) -> Decoded:
         """Like ``decode_ids``, also reporting the number of decoder steps."""
+        return collect(self.decode_stream(batch, options), len(batch))
+
+    def decode_stream(self, batch: Sequence[Sequence[int]], options: DecodingOptions) -> Iterator[Finished]:
+        """Decode one batch; each sentence (its index in ``batch``) as soon as it is done."""
         too_long = [len(ids) for ids in batch if len(ids) > self.max_source_tokens]
         if too_long:
             raise ValueError(f"source of {max(too_long)} tokens exceeds {self.max_source_tokens}")
         src = pad([[*ids, self.config.eos_id] for ids in batch], self.config.pad_id).to(self.device)
-        return decode(self.model, src, options)
+        return decode_stream(self.model, src, options)
 
     def to_translation(self, src_ids: Sequence[int], hyps: Sequence[Hypothesis]) -> Translation:
         texts = self.tokenizer.decode([h.ids for h in hyps])

@@ -7,7 +7,7 @@ import torch
 
 from model.config import ModelConfig
 from model.data import pad
-from model.decoding import TOP_K_BLOCK, DecodingOptions, beam_search, decode, greedy_search, top_k
+from model.decoding import TOP_K_BLOCK, DecodingOptions, beam_search, decode, decode_stream, greedy_search, top_k
 from model.transformer import Transformer
 
 V = 60
@@ -141,3 +141,18 @@ def test_options_are_validated() -> None:
         DecodingOptions(beam_size=2, n_best=3)
     with pytest.raises(ValueError):
         DecodingOptions(max_length=0)
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_stream_yields_each_sentence_once_when_it_is_done(beam_size: int) -> None:
+    model = make_model(seed=2)
+    src = pad(sources(9, seed=13, min_len=1, max_len=20), 0)
+    opts = DecodingOptions(beam_size=beam_size)
+    stream = list(decode_stream(model, src, opts))
+    assert sorted(d.index for d in stream) == list(range(9))
+    steps = [d.steps for d in stream]
+    assert steps == sorted(steps) and len(set(steps)) > 1  # in finishing order, not all at the end
+    for d in stream:  # a sentence is yielded at the step it finished on
+        h = d.hypotheses[0]
+        assert not h.finished or len(h.ids) + 1 <= d.steps
+    assert [d.hypotheses for d in sorted(stream, key=lambda d: d.index)] == decode(model, src, opts).hypotheses
