@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import struct
@@ -11,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.load import percentile
+from bench.load import Connection, percentile
 from bench.plot import plot, read_rows
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT, free_port, running_server
 
 KEYS = {"concurrency", "batching", "requests", "rps", "p50_ms", "p95_ms", "p99_ms", "errors"}
 
@@ -54,3 +55,23 @@ def test_cli_prints_one_line_per_run_and_plots(tiny_weights_dir: Path, data_dir:
     assert width > 400 and height > 300
     with pytest.raises(ValueError):
         plot([], tmp_path / "empty.png")
+
+
+def test_connection_keeps_alive_and_reads_errors(tiny_weights_dir: Path) -> None:
+    """The load generator's HTTP/1.1 client against a real server: replies, 4xx, reuse."""
+    env = {"TRANSLATOR_WEIGHTS_DIR": str(tiny_weights_dir)}
+
+    async def scenario(url: str) -> None:
+        connection = Connection(url, timeout=60)
+        status, reply = await connection.post_json("/translate", {"q": "Ein Hund.", "source": "de", "target": "en"})
+        assert status == 200 and isinstance(json.loads(reply)["translatedText"], str)
+        first = connection.writer
+        status, reply = await connection.post_json("/translate", {"q": "", "source": "de", "target": "en"})
+        assert status == 422 and "error" in json.loads(reply)
+        status, _ = await connection.post_json("/translate", {"q": ["a", "b"], "source": "de", "target": "en"})
+        assert status == 200
+        assert connection.writer is first  # one connection for all three
+        connection.close()
+
+    with running_server(env) as url:
+        asyncio.run(scenario(url))
