@@ -173,10 +173,10 @@ class _Batch:
         """tokens: (R,) last ids of the live rows -> next-token logits (R, V) as float32."""
         return self.model.decode_step(tokens, self.cache, self.mask).float()
 
-    def keep(self, keep: torch.Tensor, rows: torch.Tensor) -> None:
+    def keep(self, keep: torch.Tensor, rows: torch.Tensor, room: int | None = None) -> None:
         """Keep the active sentences at positions ``keep`` (A',) of the active set; their cache
         rows become ``rows`` (A' * width,) of the current ones (beam back-pointers included)."""
-        self.cache.reorder(rows)
+        self.cache.reorder(rows, room)
         self.cache.select_memory(keep)
         self.mask = self.mask.index_select(0, keep)
         self.alive = self.alive[keep]
@@ -302,13 +302,13 @@ def beam_stream(model: Transformer, src: torch.Tensor, options: DecodingOptions)
         tokens = beams.history[:, :, step].reshape(-1)
         done = beams.finished.all(dim=1)  # (A,)
         if not bool(done.any()):
-            state.cache.reorder(back)
+            state.cache.reorder(back, room=1)  # reordered again after the next step
             continue
         for i in done.nonzero()[:, 0].tolist():
             yield Finished(int(state.alive[i]), beams.hypotheses(i, options.n_best, alpha), step + 1)
         if bool(done.all()):
             return
         keep = (~done).nonzero()[:, 0]
-        state.keep(keep, back.view(a, k)[keep].reshape(-1))  # one copy: reorder and drop
+        state.keep(keep, back.view(a, k)[keep].reshape(-1), room=1)  # one copy: reorder and drop
         beams.keep(keep)
         tokens = tokens.view(a, k)[keep].reshape(-1)
