@@ -125,6 +125,13 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        # uvicorn cancels the requests still running when its graceful shutdown times out
+        # (TRANSLATOR_DRAIN_TIMEOUT_S): withdraw the work and answer 503, not uvicorn's 500.
+        task.cancel()
+        raise ApiError(
+            503, "shutting_down", "the service stopped before this request finished", {"Retry-After": "1"}
+        ) from None
     finally:
         watcher.cancel()
     if not task.done():

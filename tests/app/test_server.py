@@ -173,6 +173,53 @@ def test_sigterm_finishes_accepted_requests(weights_env: dict[str, str], test_se
             stop(proc)
 
 
+def test_requests_cut_off_by_the_drain_timeout_get_503_not_500(
+    weights_env: dict[str, str], test_sentences: list[str]
+) -> None:
+    """More accepted work than the drain timeout allows: the rest is refused cleanly."""
+    port = free_port()
+    env = {
+        **os.environ,
+        **weights_env,
+        "TRANSLATOR_PORT": str(port),
+        "TRANSLATOR_HOST": "127.0.0.1",
+        "TRANSLATOR_MAX_BATCH_SENTENCES": "1",
+        "TRANSLATOR_CACHE_SIZE": "0",
+        "TRANSLATOR_DRAIN_TIMEOUT_S": "1",
+    }
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "serve"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            wait_ready(url, proc, 120, log)
+            results: list[httpx.Response] = []
+            bodies = [{"q": test_sentences[20 * i : 20 * i + 20], **DOC} for i in range(8)]  # 160 sentences
+
+            def client() -> None:
+                results.extend(asyncio.run(post_all(url, bodies)))
+
+            thread = threading.Thread(target=client)
+            thread.start()
+            deadline = time.monotonic() + 10
+            while metric(url, "translator_inflight_requests") < 8:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            proc.send_signal(signal.SIGTERM)
+            thread.join(120)
+            statuses = [r.status_code for r in results]
+            assert len(statuses) == 8 and set(statuses) <= {200, 503} and 503 in statuses, statuses
+            for r in results:
+                if r.status_code == 503:
+                    assert r.json()["error_type"] == "shutting_down" and r.headers["Retry-After"] == "1"
+            assert proc.wait(60) in (0, -signal.SIGTERM)
+            log.seek(0)
+            assert "Exception in ASGI application" not in log.read()
+        finally:
+            stop(proc)
+
+
 def test_ready_is_503_while_loading(weights_env: dict[str, str]) -> None:
     port = free_port()
     env = {**os.environ, **weights_env, "TRANSLATOR_PORT": str(port), "TRANSLATOR_HOST": "127.0.0.1"}
