@@ -10,8 +10,9 @@ reordered on every call: the 8,000-way output projection at 256 rows took 8.1 ms
 Packed copies are made on first use of each ``nn.Parameter`` and kept beside it (not in the
 module or its state dict) until the parameter is freed; an in-place update of the parameter
 (an optimizer step) bumps its version counter and the copy is rebuilt. oneDNN's op has no
-autograd formula, so training, and anything else that needs gradients, keeps ``F.linear``;
-results agree to float32 rounding.
+autograd formula and no autocast rule, so training, autocast regions (the trainer's bf16
+validation) and anything else that needs gradients keep ``F.linear``; results agree to float32
+rounding.
 """
 
 from __future__ import annotations
@@ -46,8 +47,15 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: (..., in), weight: (out, in), bias: (out,) | None -> (..., out), like ``F.linear``."""
-    if ONEDNN and x.device.type == "cpu" and x.dtype in ONEDNN_DTYPES and not torch.is_grad_enabled():
-        w = packed_weight(weight) if isinstance(weight, nn.Parameter) and weight.dtype == x.dtype else weight
+    if (
+        ONEDNN
+        and x.device.type == "cpu"
+        and x.dtype in ONEDNN_DTYPES
+        and x.dtype == weight.dtype
+        and not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled("cpu")  # autocast casts F.linear's inputs; oneDNN's op would not
+    ):
+        w = packed_weight(weight) if isinstance(weight, nn.Parameter) else weight
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

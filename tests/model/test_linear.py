@@ -50,3 +50,18 @@ def test_training_path_has_gradients() -> None:
     assert layer.weight.grad is not None and x.grad is not None
     torch.testing.assert_close(layer.weight.grad, torch.ones(3, 1) * x.detach().sum(0))
     assert linear(x, layer.weight).requires_grad
+
+
+def test_autocast_regions_keep_f_linear_semantics() -> None:
+    """The trainer validates under CPU bf16 autocast with no gradients: inputs are cast as usual."""
+    torch.manual_seed(2)
+    first, second = Linear(16, 32), Linear(32, 8)
+    x = torch.randn(3, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        h = first(x)
+        out = second(torch.relu(h))
+        expected = F.linear(torch.relu(F.linear(x, first.weight, first.bias)), second.weight, second.bias)
+    assert h.dtype == out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected)
+    with torch.no_grad(), pytest.raises(RuntimeError):  # mixed dtypes, no autocast: F.linear's error
+        second(h)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ max_epochs = {epochs}
 max_tokens = 1500
 lr = 3e-3
 warmup_steps = 10
-bf16 = false
+bf16 = {bf16}
 average_count = 2
 threads = 1
 [decoding]
@@ -42,9 +43,9 @@ beam_size = 2
 """
 
 
-def tiny_config(tmp_path: Path, data_dir: Path, epochs: int) -> Path:
-    path = tmp_path / f"tiny{epochs}.toml"
-    path.write_text(TINY.format(data=data_dir, epochs=epochs))
+def tiny_config(tmp_path: Path, data_dir: Path, epochs: int, bf16: bool = False) -> Path:
+    path = tmp_path / f"tiny{epochs}{'-bf16' if bf16 else ''}.toml"
+    path.write_text(TINY.format(data=data_dir, epochs=epochs, bf16=str(bf16).lower()))
     return path
 
 
@@ -65,6 +66,15 @@ def test_training_lowers_loss_and_writes_a_checkpoint(tmp_path: Path, data_dir: 
     metrics = json.loads((final / "metrics.json").read_text())
     assert set(metrics) == {"val", "test_2016_flickr"}
     assert metrics["val"]["greedy"]["sentences"] == 40
+
+
+def test_bf16_autocast_training_and_validation_run_on_cpu(tmp_path: Path, data_dir: Path) -> None:
+    """The shipped recipe trains with bf16 autocast; validation runs under it without gradients."""
+    cfg = load_train_config(tiny_config(tmp_path, data_dir, epochs=1, bf16=True))
+    assert cfg.optim.bf16
+    train(cfg, tmp_path / "run", max_steps_per_epoch=4)
+    (epoch,) = epochs_of(tmp_path / "run")
+    assert epoch["step"] == 4 and math.isfinite(epoch["valid_loss"]) and math.isfinite(epoch["train_loss"])
 
 
 def test_resume_continues_exactly_where_it_stopped(tmp_path: Path, data_dir: Path) -> None:
