@@ -131,16 +131,14 @@ def test_disconnected_client_leaves_no_work_queued(weights_env: dict[str, str], 
         assert ran < 60, f"{ran:.0f} of 60 sentences were translated for a client that had left"
 
 
-def test_sigterm_finishes_accepted_requests(weights_env: dict[str, str], test_sentences: list[str]) -> None:
+def sigterm_while_busy(
+    weights_env: dict[str, str], bodies: list[dict[str, Any]], settings: dict[str, str]
+) -> tuple[list[httpx.Response], str, str]:
+    """Start a real server, send ``bodies`` concurrently, SIGTERM it once all are accepted;
+    -> (responses, base URL, server log). The server has exited when this returns."""
     port = free_port()
-    env = {
-        **os.environ,
-        **weights_env,
-        "TRANSLATOR_PORT": str(port),
-        "TRANSLATOR_HOST": "127.0.0.1",
-        "TRANSLATOR_MAX_BATCH_SENTENCES": "2",
-        "TRANSLATOR_CACHE_SIZE": "0",
-    }
+    env = {**os.environ, **weights_env, "TRANSLATOR_PORT": str(port), "TRANSLATOR_HOST": "127.0.0.1"}
+    env |= {"TRANSLATOR_CACHE_SIZE": "0", **settings}
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(
@@ -149,75 +147,45 @@ def test_sigterm_finishes_accepted_requests(weights_env: dict[str, str], test_se
         try:
             wait_ready(url, proc, 120, log)
             results: list[httpx.Response] = []
-
-            def client() -> None:
-                results.extend(asyncio.run(post_all(url, [{"q": test_sentences[i : i + 6], **DOC} for i in range(8)])))
-
-            thread = threading.Thread(target=client)
+            thread = threading.Thread(target=lambda: results.extend(asyncio.run(post_all(url, bodies))))
             thread.start()
             deadline = time.monotonic() + 10
-            while metric(url, "translator_inflight_requests") < 8:  # all 8 accepted (the scrape itself counts too)
+            while metric(url, "translator_inflight_requests") < len(bodies):  # all accepted (the scrape counts too)
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             proc.send_signal(signal.SIGTERM)
             thread.join(120)
-            assert [r.status_code for r in results] == [200] * 8
-            assert all(len(r.json()["translatedText"]) == 6 for r in results)
             # uvicorn re-raises the signal after its graceful shutdown, so -SIGTERM is a clean exit
             assert proc.wait(60) in (0, -signal.SIGTERM)
             log.seek(0)
-            assert '"message": "stopped"' in log.read()  # the lifespan shutdown (batcher drain) ran
-            with pytest.raises(httpx.ConnectError):
-                httpx.get(f"{url}/health")
+            return results, url, log.read()
         finally:
             stop(proc)
+
+
+def test_sigterm_finishes_accepted_requests(weights_env: dict[str, str], test_sentences: list[str]) -> None:
+    bodies = [{"q": test_sentences[i : i + 6], **DOC} for i in range(8)]
+    results, url, log = sigterm_while_busy(weights_env, bodies, {"TRANSLATOR_MAX_BATCH_SENTENCES": "2"})
+    assert [r.status_code for r in results] == [200] * 8
+    assert all(len(r.json()["translatedText"]) == 6 for r in results)
+    assert '"message": "stopped"' in log  # the lifespan shutdown (batcher drain) ran
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health")
 
 
 def test_requests_cut_off_by_the_drain_timeout_get_503_not_500(
     weights_env: dict[str, str], test_sentences: list[str]
 ) -> None:
     """More accepted work than the drain timeout allows: the rest is refused cleanly."""
-    port = free_port()
-    env = {
-        **os.environ,
-        **weights_env,
-        "TRANSLATOR_PORT": str(port),
-        "TRANSLATOR_HOST": "127.0.0.1",
-        "TRANSLATOR_MAX_BATCH_SENTENCES": "1",
-        "TRANSLATOR_CACHE_SIZE": "0",
-        "TRANSLATOR_DRAIN_TIMEOUT_S": "1",
-    }
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-        try:
-            wait_ready(url, proc, 120, log)
-            results: list[httpx.Response] = []
-            bodies = [{"q": test_sentences[20 * i : 20 * i + 20], **DOC} for i in range(8)]  # 160 sentences
-
-            def client() -> None:
-                results.extend(asyncio.run(post_all(url, bodies)))
-
-            thread = threading.Thread(target=client)
-            thread.start()
-            deadline = time.monotonic() + 10
-            while metric(url, "translator_inflight_requests") < 8:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            proc.send_signal(signal.SIGTERM)
-            thread.join(120)
-            statuses = [r.status_code for r in results]
-            assert len(statuses) == 8 and set(statuses) <= {200, 503} and 503 in statuses, statuses
-            for r in results:
-                if r.status_code == 503:
-                    assert r.json()["error_type"] == "shutting_down" and r.headers["Retry-After"] == "1"
-            assert proc.wait(60) in (0, -signal.SIGTERM)
-            log.seek(0)
-            assert "Exception in ASGI application" not in log.read()
-        finally:
-            stop(proc)
+    bodies = [{"q": test_sentences[20 * i : 20 * i + 20], **DOC} for i in range(8)]  # 160 sentences
+    settings = {"TRANSLATOR_MAX_BATCH_SENTENCES": "1", "TRANSLATOR_DRAIN_TIMEOUT_S": "1"}
+    results, _, log = sigterm_while_busy(weights_env, bodies, settings)
+    statuses = [r.status_code for r in results]
+    assert len(statuses) == 8 and set(statuses) <= {200, 503} and 503 in statuses, statuses
+    for r in results:
+        if r.status_code == 503:
+            assert r.json()["error_type"] == "shutting_down" and r.headers["Retry-After"] == "1"
+    assert "Exception in ASGI application" not in log
 
 
 def test_ready_is_503_while_loading(weights_env: dict[str, str]) -> None:
