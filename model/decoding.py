@@ -237,6 +237,9 @@ class _Beams:
         self.finished = torch.zeros(b, 1, dtype=torch.bool, device=device)
         self.eos = torch.zeros(b, 1, dtype=torch.bool, device=device)  # finished by EOS (not truncated)
         self.history = torch.full((b, 1, capacity), pad_id, dtype=torch.long, device=device)
+        # a finished hypothesis's K candidates: its score once (the PAD continuation), then nothing
+        self.only_first = torch.full((k,), -math.inf, device=device)
+        self.only_first[0] = 0.0
 
     def advance(self, logits: torch.Tensor, step: int, alpha: float, eos_id: int) -> torch.Tensor:
         """logits: (A, W, V) float32 next-token logits -> back-pointer rows (A*K,).
@@ -253,10 +256,8 @@ class _Beams:
         candidates = logp.view(a, w, k) + self.scores[..., None]  # raw log P, (A, W, K)
         scale = float(length_penalty(torch.tensor(step + 1), alpha))
         done = (self.scores / length_penalty(self.length, alpha) * scale)[..., None]  # (A, W, 1)
-        only_first = torch.full((k,), -math.inf, device=logits.device)
-        only_first[0] = 0.0
         finished = self.finished[..., None]
-        candidates = torch.where(finished, done + only_first, candidates)
+        candidates = torch.where(finished, done + self.only_first, candidates)
         tok = torch.where(finished, self.pad_id, tok.view(a, w, k))
         raw, flat = candidates.view(a, w * k).topk(k, dim=-1)  # (A, K), best first
         beam, tok = flat // k, tok.view(a, w * k).gather(1, flat)
