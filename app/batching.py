@@ -1,31 +1,52 @@
-"""Dynamic batching: sentences from concurrent requests share model batches.
+"""Dynamic, continuous batching: sentences from concurrent requests share model batches.
 
 Requests (on the event loop) put sentence jobs into a bounded queue and await futures.
-One worker thread per model takes the oldest job, waits at most ``max_wait`` for
-company, forms a batch of jobs with the same decoding options bounded by sentence count
-and padded tokens (sorted by length, so little padding), runs it off the event loop and
-hands each job its result. Cancelled jobs (timeouts, disconnected clients) leave the queue
-at once and are never computed.
+One worker thread per model owns a running batch (a decoding session). When the batch is
+empty, the worker takes the oldest job, waits at most ``max_wait`` for company and starts
+a batch of jobs with the same decoding options, bounded by sentence count and padded
+source tokens (shortest first, so little padding). While the batch runs, queued jobs with
+the batch's options join it between decoder steps, as far as the limits allow, and each
+sentence goes back to its request the step it is done. So the batch stays full under load
+instead of thinning out as its sentences finish. Jobs with other options wait until the
+running batch drains (the oldest job always decides what runs next), and model calls
+(``call``) run between steps. Cancelled jobs (timeouts, disconnected clients) leave the
+queue at once and are never computed; a sentence already decoding runs to its end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from app.metrics import Metrics
 from model.decoding import DecodingOptions, Finished, Hypothesis
 
 log = logging.getLogger(__name__)
 
-# Decodes a batch, yielding each sentence as soon as it is done (``Translator.decode_stream``).
-RunBatch = Callable[[list[list[int]], DecodingOptions], Iterator[Finished]]
+
+class Session(Protocol):
+    """A running batch (``model.translator.IdsSession``)."""
+
+    @property
+    def active(self) -> int: ...
+
+    @property
+    def source_width(self) -> int: ...
+
+    def admit(self, batch: Sequence[Sequence[int]], tags: Sequence[int]) -> None: ...
+
+    def step(self) -> list[Finished]: ...
+
+
+# Opens an empty running batch for one set of decoding options (``Translator.open_session``).
+OpenSession = Callable[[DecodingOptions], Session]
 
 
 class QueueFull(Exception):
@@ -58,10 +79,14 @@ class BatchLimits:
 
 
 class BatchScheduler:
-    """Batches the sentences of one model; ``run_batch`` executes on a dedicated thread."""
+    """Batches the sentences of one model; its sessions run on a dedicated thread."""
 
-    def __init__(self, run_batch: RunBatch, limits: BatchLimits, metrics: Metrics, direction: str) -> None:
-        self.run_batch, self.limits, self.metrics, self.direction = run_batch, limits, metrics, direction
+    def __init__(self, open_session: OpenSession, limits: BatchLimits, metrics: Metrics, direction: str) -> None:
+        self.open_session, self.limits, self.metrics, self.direction = open_session, limits, metrics, direction
+        self._session: Session | None = None  # the running batch (worker thread only)
+        self._options: DecodingOptions | None = None  # its decoding options
+        self._running: dict[int, Job] = {}  # its jobs by tag
+        self._tags = itertools.count()
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()
         self._closing = False
@@ -146,15 +171,44 @@ class BatchScheduler:
     # --- the worker thread ----------------------------------------------------------------
     def _work(self) -> None:
         while True:
-            batch = self._next_batch()
-            if batch is None:
+            jobs = self._next_jobs()
+            if jobs is None:
                 return
-            self._run(batch)
+            if jobs and jobs[0].call is not None:
+                self._call(jobs[0])
+                continue
+            try:
+                self._admit(jobs)
+                self._step()
+            except Exception as err:  # the model failed: every request in the batch gets the error
+                failed = {id(j): j for j in [*self._running.values(), *jobs]}.values()
+                log.exception("decoding %d sentences failed", len(failed))
+                self._session, self._running = None, {}
+                for job in failed:
+                    _fail(job, err)
 
-    def _next_batch(self) -> list[Job] | None:
-        """Block until a batch is ready (or None when closing with nothing left)."""
+    def _call(self, job: Job) -> None:
+        self._start([job])
+        assert job.call is not None
+        try:
+            _deliver(job, job.call())
+        except Exception as err:
+            log.exception("model call failed")
+            _fail(job, err)
+
+    def _next_jobs(self) -> list[Job] | None:
+        """What to do next: jobs to admit into the running batch (maybe none: it just steps),
+        a model call, or None when closing with nothing left. Blocks only while idle."""
         lim = self.limits
         with self._cond:
+            if self._running:
+                if not self._pending:
+                    return []
+                if self._pending[0].call is not None:
+                    return [self._pop()]
+                if self._pending[0].options != self._options:
+                    return []  # the oldest job needs other options: let this batch drain
+                return self._take_compatible()
             while not self._pending:
                 if self._closing:
                     return None
@@ -167,73 +221,86 @@ class BatchScheduler:
                 self._cond.wait(remaining)
             if not self._pending:  # everything was cancelled while we waited
                 return []
-            batch = self._take_compatible()
-            self.metrics.queue_depth.dec(len(batch))
-            return batch
+            if self._pending[0].call is not None:
+                return [self._pop()]
+            self._options = self._pending[0].options
+            self._session = None
+            return self._take_compatible()
+
+    def _pop(self) -> Job:
+        self.metrics.queue_depth.dec()
+        return self._pending.popleft()
 
     def _take_compatible(self) -> list[Job]:
-        """Jobs sharing the oldest job's options, shortest first, within the batch limits."""
-        first = self._pending[0]
-        if first.call is not None:
-            return [self._pending.popleft()]
+        """Jobs sharing the running batch's options, oldest first, then shortest first, as many
+        as the batch limits leave room for (none if the oldest does not fit). Holds the lock."""
         lim = self.limits
-        same = [j for j in self._pending if j.call is None and j.options == first.options]
-        same = sorted(same[: lim.max_sentences * 4], key=lambda j: len(j.ids))
-        # The oldest job always goes in; then the shortest others while they fit.
-        chosen, longest = [first], len(first.ids) + 1
-        for job in same:
-            if job is first or len(chosen) >= lim.max_sentences:
-                continue
+        active = len(self._running)
+        longest = self._session.source_width if self._session is not None and active else 0
+        same = [j for j in self._pending if j.call is None and j.options == self._options]
+        first, rest = same[0], sorted(same[1 : lim.max_sentences * 4], key=lambda j: len(j.ids))
+        chosen: list[Job] = []
+        for job in [first, *rest]:
             width = max(longest, len(job.ids) + 1)
-            if width * (len(chosen) + 1) > lim.max_tokens:
+            full = active + len(chosen) >= lim.max_sentences or width * (active + len(chosen) + 1) > lim.max_tokens
+            if full and (chosen or active):  # (an idle batch always takes the oldest job, however long)
                 break
             chosen.append(job)
             longest = width
         taken = set(map(id, chosen))
         self._pending = deque(j for j in self._pending if id(j) not in taken)
+        self.metrics.queue_depth.dec(len(chosen))
         return chosen
 
-    def _run(self, batch: list[Job]) -> None:
+    def _start(self, jobs: Sequence[Job]) -> None:
         now = time.perf_counter()
-        for job in batch:
+        for job in jobs:
             job.started = now
             self.metrics.queue_wait.observe(now - job.enqueued)
-        if not batch:
-            return
-        try:
-            if batch[0].call is not None:
-                _deliver(batch[0], batch[0].call())
-                return
-            self._run_sentences(batch)
-        except Exception as err:  # the model failed: every waiting request gets the error
-            log.exception("batch of %d failed", len(batch))
-            for job in batch:
-                job.loop.call_soon_threadsafe(_set_exception, job.future, err)
 
-    def _run_sentences(self, batch: list[Job]) -> None:
-        """Decode the batch; each sentence goes to its request the moment it is done, so the
-        short sentences of a batch do not wait for its longest one."""
-        options = batch[0].options
-        assert options is not None
-        ids = [job.ids for job in batch]
-        steps = target_tokens = delivered = 0
-        for done in self.run_batch(ids, options):
-            best = done.hypotheses[0]
-            steps, target_tokens = max(steps, done.steps), target_tokens + len(best.ids) + int(best.finished)
-            _deliver(batch[done.index], done.hypotheses)
-            delivered += 1
-        if delivered != len(batch):
-            raise RuntimeError(f"decoding returned {delivered} of {len(batch)} sentences")
+    def _admit(self, jobs: list[Job]) -> None:
+        """Jobs join the running batch (a new one if it is idle)."""
+        if not jobs:
+            return
+        self._start(jobs)
+        if self._session is None:
+            assert self._options is not None
+            self._session = self.open_session(self._options)
+        tags = [next(self._tags) for _ in jobs]
+        self._running.update(zip(tags, jobs, strict=True))
+        self._session.admit([job.ids for job in jobs], tags)
+        self.metrics.source_tokens.labels(self.direction).inc(sum(len(job.ids) + 1 for job in jobs))
+
+    def _step(self) -> None:
+        """One decoder step of the running batch; each sentence done goes to its request at
+        once, so short sentences do not wait for the long ones."""
+        session = self._session
+        if session is None or not self._running:
+            return
         m, d = self.metrics, self.direction
-        m.batch_sentences.observe(len(batch))
-        m.batch_tokens.observe(len(batch) * (max(len(i) for i in ids) + 1))
-        m.decode_steps.labels(d).inc(steps)
-        m.source_tokens.labels(d).inc(sum(len(i) + 1 for i in ids))
-        m.target_tokens.labels(d).inc(target_tokens)
+        m.batch_sentences.observe(session.active)
+        m.batch_tokens.observe(session.active * session.source_width)
+        finished = session.step()
+        m.decode_steps.labels(d).inc()
+        for done in finished:
+            best = done.hypotheses[0]
+            m.target_tokens.labels(d).inc(len(best.ids) + int(best.finished))
+            _deliver(self._running.pop(done.index), done.hypotheses)
 
 
 def _deliver(job: Job, result: list[Hypothesis] | Any) -> None:
-    job.loop.call_soon_threadsafe(_set_result, job.future, result)
+    _answer(job, _set_result, result)
+
+
+def _fail(job: Job, err: BaseException) -> None:
+    _answer(job, _set_exception, err)
+
+
+def _answer(job: Job, setter: Callable[[asyncio.Future[Any], Any], None], value: Any) -> None:
+    try:
+        job.loop.call_soon_threadsafe(setter, job.future, value)
+    except RuntimeError:  # its event loop is closed: nobody is waiting any more
+        log.debug("dropped the answer to a job whose event loop is closed")
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:

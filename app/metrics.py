@@ -38,17 +38,17 @@ class Metrics:
         )
         self.queue_wait = Histogram(
             "translator_queue_wait_seconds",
-            "Time a sentence waits before its batch starts",
+            "Time a sentence waits before it joins a batch",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.queue_depth = Gauge("translator_queue_depth", "Sentences waiting to be batched", registry=r)
         self.inflight = Gauge("translator_inflight_requests", "Requests being handled", registry=r)
         self.batch_sentences = Histogram(
-            "translator_batch_sentences", "Sentences per model batch", buckets=SIZE_BUCKETS, registry=r
+            "translator_batch_sentences", "Sentences per decoder step", buckets=SIZE_BUCKETS, registry=r
         )
         self.batch_tokens = Histogram(
-            "translator_batch_tokens", "Padded source tokens per model batch", buckets=TOKEN_BUCKETS, registry=r
+            "translator_batch_tokens", "Padded source tokens per decoder step", buckets=TOKEN_BUCKETS, registry=r
         )
         self.source_tokens = Counter("translator_source_tokens", "Source tokens translated", ["direction"], registry=r)
         self.target_tokens = Counter("translator_target_tokens", "Target tokens generated", ["direction"], registry=r)

@@ -73,12 +73,14 @@ class TranslationService:
         limits = BatchLimits(
             settings.max_batch_sentences, settings.max_batch_tokens, settings.max_wait_ms / 1000, settings.queue_size
         )
-        self.scheduler = BatchScheduler(self.translator.decode_stream, limits, metrics, self.direction)
+        self.scheduler = BatchScheduler(self.translator.open_session, limits, metrics, self.direction)
         self._cache: OrderedDict[tuple[str, DecodingOptions], list[Hypothesis]] = OrderedDict()
         self.quality = _read_metrics(path)
 
     def start(self) -> None:
         self.scheduler.start(warm_up=self.warm_up)
+        for family in (self.metrics.decode_steps, self.metrics.source_tokens, self.metrics.target_tokens):
+            family.labels(self.direction)  # the series exist (at 0) before the first request
         self.metrics.model_info.labels(self.direction, self.device.type, str(self.dtype).removeprefix("torch.")).set(1)
 
     def warm_up(self) -> None:

@@ -24,9 +24,9 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
-    max_batch_sentences: int = Field(64, ge=1, description="sentences per model batch")
-    max_batch_tokens: int = Field(6000, ge=16, description="padded source tokens per model batch")
-    max_wait_ms: float = Field(5.0, ge=0, description="how long a batch waits to fill up")
+    max_batch_sentences: int = Field(64, ge=1, description="sentences decoded together (the running batch)")
+    max_batch_tokens: int = Field(6000, ge=16, description="padded source tokens of the running batch")
+    max_wait_ms: float = Field(5.0, ge=0, description="how long an idle model waits for company before it starts a batch")
     queue_size: int = Field(2048, ge=1, description="sentences waiting per model before 429")
     request_timeout_s: float = Field(30.0, gt=0, description="per request, queueing included (504 after)")
     drain_timeout_s: float = Field(20.0, ge=0, description="on shutdown, time to finish accepted requests")

@@ -1,14 +1,18 @@
 """The KV cache for incremental decoding.
 
-Self-attention keys/values live in buffers preallocated for the whole decode and grow one
-step at a time. Cross-attention keys/values are computed once per batch from the encoder
-memory and stored once per *sentence*: with beam search the ``width`` consecutive rows of a
-sentence (its hypotheses) share them, so they are never copied per beam.
+Self-attention keys/values live in preallocated buffers and grow one step at a time.
+Cross-attention keys/values are computed once per sentence from the encoder memory and
+stored once per *sentence*: with beam search the ``width`` consecutive rows of a sentence
+(its hypotheses) share them, so they are never copied per beam. Sentences joining a running
+batch are written behind the others, and sentences leaving it are replaced by ones moved
+from the back, so only the rows that change are copied (copying the whole memory every
+time a sentence joined or left cost a continuously fed batch ~10% of its throughput).
 
-``reorder(rows)`` follows beam search's back-pointers and drops finished rows in one copy:
-each self-attention buffer has a twin, and the valid prefix is gathered straight into the
-twin (``index_select(..., out=)``), which measured ~6x faster than gathering into a temporary
-and copying it back.
+``reorder(rows)`` follows beam search's back-pointers, drops finished rows, forgets
+positions no row can see any more and makes room for sentences that join, all in one copy:
+each self-attention buffer has a twin, and the valid part is gathered straight into the
+twin (``index_select(..., out=)``), which measured ~6x faster than gathering into a
+temporary and copying it back.
 """
 
 from __future__ import annotations
@@ -16,25 +20,41 @@ from __future__ import annotations
 import torch
 
 
+def cat_padded(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """Stack a and b along dim 0, zero-padding dimension ``dim`` to the longer of the two.
+
+    a: (A, ...), b: (B, ...) -> (A + B, ...). Zeros are what a masked-out (padding) key,
+    value or mask entry holds.
+    """
+    size = list(a.shape)
+    size[0] += b.shape[0]
+    size[dim] = max(a.shape[dim], b.shape[dim])
+    out = a.new_zeros(size)
+    out[: a.shape[0]].narrow(dim, 0, a.shape[dim]).copy_(a)
+    out[a.shape[0] :].narrow(dim, 0, b.shape[dim]).copy_(b)
+    return out
+
+
 class LayerCache:
     """One decoder layer's cached tensors.
 
-    self_k/self_v: (R, H, length, Dh), R live rows, laid out as (R, H, slots, Dh) in flat
-    buffers of R0 * H * capacity * Dh elements (R0 the most rows ever held). ``slots`` is the
-    capacity at first; ``reorder(rows, room=1)``, which beam search calls every step, lays the
-    copy out with ``slots = length + 1``, so after the next append the cached K/V are one
-    contiguous block: the attention matmuls over strided K/V ran 1.6-2.7x slower on the CPU.
+    self_k/self_v: (R, H, length, Dh), R live rows, laid out as (R, H, slots, Dh) at the
+    front of flat buffers that grow when a reorder needs more. ``slots`` is the capacity at
+    first; ``reorder(rows, room=1)``, which beam search calls every step, lays the copy out
+    with ``slots = length + 1``, so after the next append the cached K/V are one contiguous
+    block: the attention matmuls over strided K/V ran 1.6-2.7x slower on the CPU.
     cross_k/cross_v: (B, H, S, Dh) projections of the encoder memory, R = B * width rows.
     """
 
     def __init__(self, cross_kv: tuple[torch.Tensor, torch.Tensor], capacity: int, width: int = 1) -> None:
         """Room for ``capacity`` positions of up to B * width rows; it starts with B rows (one
         per sentence) and ``reorder`` may widen it (beam search after its first step)."""
-        self.cross_k, self.cross_v = cross_kv
-        b, h, _, dh = self.cross_k.shape
+        self._cross_k, self._cross_v = cross_kv  # (rows, H, columns, Dh) buffers, front in use
+        b, h, s, dh = self._cross_k.shape
+        self.sentences, self.source = b, s
         size = b * width * h * capacity * dh
-        self._k = [self.cross_k.new_empty(size), self.cross_k.new_empty(size)]
-        self._v = [self.cross_v.new_empty(size), self.cross_v.new_empty(size)]
+        self._k = [self._cross_k.new_empty(size), self._cross_k.new_empty(size)]
+        self._v = [self._cross_v.new_empty(size), self._cross_v.new_empty(size)]
         self._current = 0
         self.heads, self.head_dim, self.capacity = h, dh, capacity
         self.rows = b
@@ -56,6 +76,17 @@ class LayerCache:
         return self._layout(self._v[self._current], self.rows, self.slots)[:, :, : self.length]
 
     @property
+    def cross_k(self) -> torch.Tensor:
+        """(B, H, S, Dh) keys of the encoder memory (a view: rows of other strides are fine for
+        the attention's batched matmuls)."""
+        return self._cross_k[: self.sentences, :, : self.source]
+
+    @property
+    def cross_v(self) -> torch.Tensor:
+        """(B, H, S, Dh) values of the encoder memory."""
+        return self._cross_v[: self.sentences, :, : self.source]
+
+    @property
     def cross_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cross_k, self.cross_v
 
@@ -71,21 +102,60 @@ class LayerCache:
         self.length = end
         return self.self_k, self.self_v
 
-    def reorder(self, rows: torch.Tensor, room: int | None = None) -> None:
-        """Row i takes the self-attention history of row ``rows[i]``; rows: (R',) long, R' at most
-        B * width (rows may be dropped, or repeated to widen a beam). The copy has room for
-        ``room`` more positions before the next reorder (None: up to the capacity)."""
-        n, new, twin = rows.numel(), self.length, 1 - self._current
-        slots = self.capacity if room is None else min(self.capacity, new + room)
+    def reorder(self, rows: torch.Tensor, room: int | None = None, drop: int = 0, add: int = 0) -> None:
+        """Row i takes the self-attention history of row ``rows[i]``; rows: (R',) long (rows
+        may be dropped, or repeated to widen a beam). Then ``add`` rows follow with an all-zero
+        history (sentences joining; their attention masks it out), and the first ``drop``
+        positions are forgotten. The copy has room for ``room`` more positions before the next
+        reorder (None: up to the capacity); the buffers grow if that does not fit."""
+        kept, new, twin = rows.numel(), self.length - drop, 1 - self._current
+        n = kept + add
+        slots = max(self.capacity, new) if room is None else new + room
         for buffers in (self._k, self._v):
-            source = self._layout(buffers[self._current], self.rows, self.slots)[:, :, :new]
-            torch.index_select(source, 0, rows, out=self._layout(buffers[twin], n, slots)[:, :, :new])
-        self._current, self.rows, self.slots = twin, n, slots
+            if buffers[twin].numel() < n * self.heads * slots * self.head_dim:
+                buffers[twin] = buffers[twin].new_empty(n * self.heads * slots * self.head_dim)
+            source = self._layout(buffers[self._current], self.rows, self.slots)[:, :, drop : self.length]
+            target = self._layout(buffers[twin], n, slots)[:, :, :new]
+            torch.index_select(source, 0, rows, out=target[:kept])
+            if add:
+                target[kept:].zero_()
+        self._current, self.rows, self.slots, self.length = twin, n, slots, new
+        self.capacity = max(self.capacity, slots)
 
-    def select_memory(self, sentences: torch.Tensor) -> None:
-        """Keep the cross-attention K/V of the given sentences; sentences: (B',) long."""
-        self.cross_k = self.cross_k.index_select(0, sentences)
-        self.cross_v = self.cross_v.index_select(0, sentences)
+    def extend_memory(self, cross_kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Sentences join: their cross K/V (B', H, S', Dh) are written behind the current ones.
+
+        Source positions past a sentence's own length hold whatever was there (finite values:
+        buffers start zeroed and only ever receive projections); the source mask hides them,
+        and a hidden key's weight is exactly 0.
+        """
+        new_k, new_v = cross_kv
+        b, s = new_k.shape[0], new_k.shape[2]
+        rows, columns = self.sentences + b, max(self.source, s)
+        if rows > self._cross_k.shape[0] or columns > self._cross_k.shape[2]:  # grow, with room
+            have_rows, have_columns = self._cross_k.shape[0], self._cross_k.shape[2]
+            size = (max(rows, 2 * have_rows), self.heads, max(columns, have_columns), self.head_dim)
+            for name in ("_cross_k", "_cross_v"):
+                old = getattr(self, name)
+                grown = old.new_zeros(size)
+                grown[: self.sentences, :, : old.shape[2]] = old[: self.sentences]
+                setattr(self, name, grown)
+        self._cross_k[self.sentences : rows, :, :s] = new_k
+        self._cross_v[self.sentences : rows, :, :s] = new_v
+        self.sentences, self.source = rows, columns
+
+    def select_memory(self, sentences: list[int], length: int | None = None) -> None:
+        """Sentence i takes the cross K/V of sentence ``sentences[i]`` (B' of them); only rows
+        that change are copied, so an order that fills the gaps of leaving sentences with the
+        last ones moves few. ``length``: keep only that many source positions (None: all)."""
+        moved = [(i, j) for i, j in enumerate(sentences) if i != j]
+        if moved:
+            targets, sources = (torch.tensor(side, device=self._cross_k.device) for side in zip(*moved, strict=True))
+            for buffer in (self._cross_k, self._cross_v):
+                buffer[targets] = buffer[sources]
+        self.sentences = len(sentences)
+        if length is not None:
+            self.source = length
 
 
 class KVCache:
@@ -96,7 +166,7 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        """Number of target positions already decoded."""
+        """Number of target positions held."""
         return self.layers[0].length if self.layers else 0
 
     @property
@@ -104,13 +174,18 @@ class KVCache:
         """Live rows (sentences x hypotheses)."""
         return self.layers[0].rows
 
-    def reorder(self, rows: torch.Tensor, room: int | None = None) -> None:
-        """Beam back-pointers and/or dropped rows: row i takes the history of row rows[i]
-        (``room``: see ``LayerCache.reorder``)."""
+    def reorder(self, rows: torch.Tensor, room: int | None = None, drop: int = 0, add: int = 0) -> None:
+        """Beam back-pointers, dropped and added rows, forgotten positions (see ``LayerCache.reorder``)."""
         for layer in self.layers:
-            layer.reorder(rows, room)
+            layer.reorder(rows, room, drop, add)
 
-    def select_memory(self, sentences: torch.Tensor) -> None:
-        """Drop the encoder memory of sentences not in ``sentences`` (finished ones)."""
+    def extend_memory(self, cross_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Sentences join: one (K, V) pair per layer, each (B', H, S', Dh)."""
+        for layer, kv in zip(self.layers, cross_kv, strict=True):
+            layer.extend_memory(kv)
+
+    def select_memory(self, sentences: list[int], length: int | None = None) -> None:
+        """Sentence i takes the encoder memory of ``sentences[i]``; the others (finished) are
+        dropped, and source positions from ``length`` on (see ``LayerCache.select_memory``)."""
         for layer in self.layers:
-            layer.select_memory(sentences)
+            layer.select_memory(sentences, length)

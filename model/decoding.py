@@ -1,19 +1,23 @@
-"""Batched greedy and beam search over a cached, incremental decoder.
+"""Batched beam search (greedy: a beam of one) over a cached, incremental decoder.
 
-The encoder runs once per batch; its memory is projected to cross-attention K/V once and
-reused by every step and every beam. Sentences that finish leave the batch, so the last
-steps of a batch only pay for the sentences still being decoded.
+A ``DecodeSession`` is a running batch. Sentences join it between decoder steps (``admit``:
+the encoder runs once for them and their memory is projected to cross-attention K/V once,
+reused by every step and every beam) and leave it at the step they are done (``step``
+returns them), so the batch only pays for sentences still being decoded, and a server can
+keep it full while requests come and go (continuous batching). Each sentence has its own
+start step, positions and length limit; the self-attention keys cached before a sentence
+joined are masked out of its rows. ``decode_stream`` is a session given one batch.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from model.cache import KVCache
+from model.cache import KVCache, cat_padded
 from model.transformer import Transformer
 
 
@@ -101,7 +105,7 @@ def length_penalty(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Decoded:
-    """Per sentence its n-best hypotheses (best first), and the decoder steps the batch took."""
+    """Per sentence its n-best hypotheses (best first), and the most decoder steps any took."""
 
     hypotheses: list[list[Hypothesis]]
     steps: int
@@ -109,8 +113,8 @@ class Decoded:
 
 @dataclass(frozen=True)
 class Finished:
-    """One sentence of a batch, done: its row in the batch, its n-best, and the decoder steps
-    the batch had run when it finished."""
+    """One sentence, done: its tag (its row in ``decode_stream``'s batch), its n-best, and
+    the decoder steps it took."""
 
     index: int
     hypotheses: list[Hypothesis]
@@ -120,26 +124,16 @@ class Finished:
 def decode_stream(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Iterator[Finished]:
     """src: (B, S) padded ids, each row ending with EOS -> each sentence as soon as it is done
     (the batch goes on decoding the others), in the order they finish."""
-    if src.shape[0] == 0:
-        return iter(())
-    if options.beam_size == 1:
-        return greedy_stream(model, src, options)
-    return beam_stream(model, src, options)
+    session = DecodeSession(model, options)
+    if src.shape[0]:
+        session.admit(src, range(src.shape[0]))
+    while session.active:
+        yield from session.step()
 
 
 def decode(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Decoded:
     """src: (B, S) padded ids, each row ending with EOS -> n_best hypotheses per sentence."""
     return collect(decode_stream(model, src, options), src.shape[0])
-
-
-def greedy_search(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Decoded:
-    """Batched greedy decoding (``greedy_stream``, collected)."""
-    return collect(greedy_stream(model, src, options), src.shape[0])
-
-
-def beam_search(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Decoded:
-    """Batched beam search (``beam_stream``, collected)."""
-    return collect(beam_stream(model, src, options), src.shape[0])
 
 
 def collect(stream: Iterator[Finished], batch_size: int) -> Decoded:
@@ -152,71 +146,6 @@ def collect(stream: Iterator[Finished], batch_size: int) -> Decoded:
     return Decoded(hypotheses, steps)
 
 
-class _Batch:
-    """Decoding state shared by greedy and beam search: cache, mask and the active sentences.
-
-    Each active sentence owns ``width`` consecutive cache rows (its hypotheses); its encoder
-    memory and mask are stored once and shared by those rows.
-    """
-
-    def __init__(self, model: Transformer, src: torch.Tensor, options: DecodingOptions, width: int):
-        cfg = model.config
-        memory, self.mask, _ = model.encode(src)  # (B, S, D), (B, 1, 1, S)
-        src_lengths = self.mask.sum(dim=(1, 2, 3))
-        self.limit = max_steps(src_lengths, options, cfg.max_positions - 1)  # (B,)
-        self.capacity = int(self.limit.max())
-        self.cache: KVCache = model.init_cache(memory, self.capacity, width)
-        self.alive = torch.arange(src.shape[0], device=src.device)  # sentence ids still decoding
-        self.model = model
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: (R,) last ids of the live rows -> next-token logits (R, V) as float32."""
-        return self.model.decode_step(tokens, self.cache, self.mask).float()
-
-    def keep(self, keep: torch.Tensor, rows: torch.Tensor, room: int | None = None) -> None:
-        """Keep the active sentences at positions ``keep`` (A',) of the active set; their cache
-        rows become ``rows`` (A' * width,) of the current ones (beam back-pointers included)."""
-        self.cache.reorder(rows, room)
-        self.cache.select_memory(keep)
-        self.mask = self.mask.index_select(0, keep)
-        self.alive = self.alive[keep]
-
-
-@torch.inference_mode()
-def greedy_stream(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Iterator[Finished]:
-    """Batched greedy decoding; sentences leave the batch (and are yielded) when they emit EOS."""
-    cfg = model.config
-    b = src.shape[0]
-    state = _Batch(model, src, options, width=1)
-    out = torch.full((b, state.capacity), cfg.pad_id, dtype=torch.long, device=src.device)
-    log_prob = torch.zeros(b, device=src.device)
-    length = torch.zeros(b, dtype=torch.long, device=src.device)
-    finished = torch.zeros(b, dtype=torch.bool, device=src.device)
-    tokens = torch.full((b,), cfg.bos_id, dtype=torch.long, device=src.device)
-    for step in range(state.capacity):
-        logp = torch.log_softmax(state.step(tokens), dim=-1)  # (A, V)
-        step_logp, best = top_k(logp, 1)
-        step_logp, tokens = step_logp[:, 0], best[:, 0]  # (A,)
-        ids = state.alive
-        out[ids, step] = tokens
-        log_prob[ids] += step_logp
-        length[ids] += 1
-        eos = tokens == cfg.eos_id
-        finished[ids] = eos
-        done = eos | (state.limit[ids] <= step + 1)
-        if not bool(done.any()):
-            continue
-        for i in ids[done].tolist():
-            score = float(log_prob[i] / length_penalty(length[i], options.length_penalty))
-            hyp = _hypothesis(out[i], int(length[i]), score, float(log_prob[i]), bool(finished[i]))
-            yield Finished(i, [hyp], step + 1)
-        if bool(done.all()):
-            return
-        keep = (~done).nonzero()[:, 0]
-        state.keep(keep, keep)
-        tokens = tokens[keep]
-
-
 def _hypothesis(row: torch.Tensor, length: int, score: float, log_prob: float, finished: bool) -> Hypothesis:
     """row: (capacity,) generated ids; drop the EOS of a finished hypothesis."""
     n = length - 1 if finished else length
@@ -224,38 +153,57 @@ def _hypothesis(row: torch.Tensor, length: int, score: float, log_prob: float, f
 
 
 class _Beams:
-    """Up to K hypotheses per active sentence: raw log-probabilities, lengths, flags and tokens.
+    """K hypotheses per active sentence: raw log-probabilities, lengths, flags and tokens.
 
-    Every sentence starts with one hypothesis (BOS), so the first step runs one row per
-    sentence instead of K identical ones; from the second step on there are K.
+    A sentence joins with one live hypothesis (BOS, score 0) and K - 1 at -inf, so its first
+    step's K best candidates all extend the live one, and every sentence has K rows.
     """
 
-    def __init__(self, b: int, k: int, capacity: int, pad_id: int, device: torch.device) -> None:
+    def __init__(self, k: int, pad_id: int, device: torch.device) -> None:
         self.k, self.pad_id = k, pad_id
-        self.scores = torch.zeros(b, 1, device=device)  # raw cumulative log P, (A, W)
-        self.length = torch.zeros(b, 1, dtype=torch.long, device=device)  # tokens, EOS included
-        self.finished = torch.zeros(b, 1, dtype=torch.bool, device=device)
-        self.eos = torch.zeros(b, 1, dtype=torch.bool, device=device)  # finished by EOS (not truncated)
-        self.history = torch.full((b, 1, capacity), pad_id, dtype=torch.long, device=device)
+        self.scores = torch.zeros(0, k, device=device)  # raw cumulative log P, (A, K)
+        self.length = torch.zeros(0, k, dtype=torch.long, device=device)  # tokens, EOS included
+        self.finished = torch.zeros(0, k, dtype=torch.bool, device=device)
+        self.eos = torch.zeros(0, k, dtype=torch.bool, device=device)  # finished by EOS (not truncated)
+        self.history = torch.full((0, k, 0), pad_id, dtype=torch.long, device=device)  # (A, K, steps)
         # a finished hypothesis's K candidates: its score once (the PAD continuation), then nothing
         self.only_first = torch.full((k,), -math.inf, device=device)
         self.only_first[0] = 0.0
 
-    def advance(self, logits: torch.Tensor, step: int, alpha: float, eos_id: int) -> torch.Tensor:
-        """logits: (A, W, V) float32 next-token logits -> back-pointer rows (A*K,).
+    def extend(self, b: int, steps: int) -> None:
+        """b sentences join, each decoded for at most ``steps`` steps."""
+        scores = self.only_first.expand(b, -1)
+        self.scores = torch.cat([self.scores, scores])
+        self.length = torch.cat([self.length, self.length.new_zeros(b, self.k)])
+        self.finished = torch.cat([self.finished, self.finished.new_zeros(b, self.k)])
+        self.eos = torch.cat([self.eos, self.eos.new_zeros(b, self.k)])
+        # (positions past a sentence's own limit are never read, whatever cat_padded put there)
+        self.history = cat_padded(self.history, self.history.new_full((b, self.k, steps), self.pad_id), dim=2)
 
-        Every alive hypothesis has step+1 tokens after this step, so all alive candidates share
-        one length penalty and rank by raw log P; a finished hypothesis competes through its
-        single (PAD) continuation, its normalized score mapped into that raw scale. The K best
-        of a sentence's W x V candidates are among the K best of each of its W rows, so each row
-        is cut to K first (``top_k``) and only the sentence's W x K survivors are ranked.
+    def advance(
+        self, logits: torch.Tensor, step: torch.Tensor, alpha: float, eos_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: (A, K, V) float32 next-token logits, step: (A,) each sentence's steps so far
+        -> back-pointer rows (A*K,) and the tokens chosen (A, K).
+
+        Every alive hypothesis of a sentence has step+1 tokens after this step, so its alive
+        candidates share one length penalty and rank by raw log P; a finished hypothesis
+        competes through its single (PAD) continuation, its normalized score mapped into that
+        raw scale. The K best of a sentence's K x V candidates are among the K best of each of
+        its rows, so each row is cut to K first (``top_k``) and only K x K survivors are ranked.
         """
         a, w, vocab = logits.shape
         k = self.k
         logp, tok = top_k(torch.log_softmax(logits, dim=-1).view(a * w, vocab), k)
-        candidates = logp.view(a, w, k) + self.scores[..., None]  # raw log P, (A, W, K)
-        scale = float(length_penalty(torch.tensor(step + 1), alpha))
-        done = (self.scores / length_penalty(self.length, alpha) * scale)[..., None]  # (A, W, 1)
+        if k == 1:  # greedy: no hypothesis is finished yet (a sentence leaves the step it ends)
+            self.scores = self.scores + logp
+            self.length = (step + 1)[:, None]
+            self.eos = self.finished = tok == eos_id
+            self.history[torch.arange(a, device=step.device), :, step] = tok
+            return torch.arange(a, device=tok.device), tok
+        candidates = logp.view(a, w, k) + self.scores[..., None]  # raw log P, (A, K, K)
+        scale = length_penalty(step + 1, alpha)[:, None]  # (A, 1)
+        done = (self.scores / length_penalty(self.length, alpha) * scale)[..., None]  # (A, K, 1)
         finished = self.finished[..., None]
         candidates = torch.where(finished, done + self.only_first, candidates)
         tok = torch.where(finished, self.pad_id, tok.view(a, w, k))
@@ -263,12 +211,12 @@ class _Beams:
         beam, tok = flat // k, tok.view(a, w * k).gather(1, flat)
         was_finished = self.finished.gather(1, beam)
         self.scores = torch.where(was_finished, self.scores.gather(1, beam), raw)
-        self.length = torch.where(was_finished, self.length.gather(1, beam), step + 1)
+        self.length = torch.where(was_finished, self.length.gather(1, beam), step[:, None] + 1)
         self.eos = self.eos.gather(1, beam) | (~was_finished & (tok == eos_id))
         self.finished = was_finished | self.eos
         self.history = self.history.gather(1, beam[..., None].expand(-1, -1, self.history.shape[2]))
-        self.history[:, :, step] = tok
-        return (beam + torch.arange(a, device=beam.device)[:, None] * w).view(-1)
+        self.history[torch.arange(a, device=step.device), :, step] = tok
+        return (beam + torch.arange(a, device=beam.device)[:, None] * w).view(-1), tok
 
     def hypotheses(self, i: int, n_best: int, alpha: float) -> list[Hypothesis]:
         """The n best of active sentence i (already sorted by normalized score)."""
@@ -283,33 +231,137 @@ class _Beams:
             setattr(self, name, getattr(self, name)[keep])
 
 
-@torch.inference_mode()
-def beam_stream(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Iterator[Finished]:
-    """Vectorized beam search (top-k over beam x vocabulary) with GNMT length normalization.
+def _compacted(kept: list[int]) -> list[int]:
+    """The kept rows (ascending) in an order that moves few: those already in the first
+    len(kept) places stay there, and the gaps take the ones from further back."""
+    n = len(kept)
+    order = list(range(n))
+    gaps = sorted(set(order) - set(kept))
+    for gap, row in zip(gaps, (i for i in kept if i >= n), strict=True):
+        order[gap] = row
+    return order
+
+
+class DecodeSession:
+    """A running batch of beam searches (top-k over beam x vocabulary, GNMT length
+    normalization) that sentences join and leave between steps.
 
     Finished hypotheses stay in the beam, extended only by PAD at no cost, so candidates of
-    different lengths compete on normalized score; a sentence is done (and yielded) when all
-    its beams are finished (or truncated at its length limit).
+    different lengths compete on normalized score; a sentence is done (and returned by
+    ``step``) when all its beams are finished or truncated at its length limit. Greedy search
+    is the beam of one. Model work only; the caller decides who joins when.
     """
-    cfg, k, alpha = model.config, options.beam_size, options.length_penalty
-    state = _Batch(model, src, options, width=k)
-    beams = _Beams(src.shape[0], k, state.capacity, cfg.pad_id, src.device)
-    tokens = torch.full((src.shape[0],), cfg.bos_id, dtype=torch.long, device=src.device)
-    for step in range(state.capacity):
-        a = state.alive.numel()
-        logits = state.step(tokens)  # (A*W, V), W = 1 at step 0, then K
-        back = beams.advance(logits.view(a, -1, logits.shape[-1]), step, alpha, cfg.eos_id)  # (A*K,)
-        beams.finished |= (state.limit[state.alive] <= step + 1)[:, None]  # truncated at the limit
-        tokens = beams.history[:, :, step].reshape(-1)
+
+    def __init__(self, model: Transformer, options: DecodingOptions) -> None:
+        self.model, self.options, self.k = model, options, options.beam_size
+        self.steps = 0  # decoder steps run since the session was last empty
+        self.tags: list[int] = []  # per active sentence, in batch order
+        self._starts: list[int] = []  # the step each sentence joined at
+        self._stops: list[int] = []  # the step each sentence is cut at (its length limit)
+        self._src_lengths: list[int] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        device = next(self.model.parameters()).device
+        self.steps = 0
+        self._cache: KVCache | None = None
+        self._memory_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=device)  # (A, 1, 1, S)
+        self._start = torch.zeros(0, dtype=torch.long, device=device)  # (A,) step joined at
+        self._stop = torch.zeros(0, dtype=torch.long, device=device)  # (A,) step cut at
+        self._tokens = torch.zeros(0, dtype=torch.long, device=device)  # (A*K,) next step's input
+        self._beams = _Beams(self.k, self.model.config.pad_id, device)
+        self._rows: torch.Tensor | None = None  # cache rows to gather before the next step
+        self._added = 0  # cache rows to add before the next step
+
+    @property
+    def active(self) -> int:
+        """Sentences being decoded."""
+        return len(self.tags)
+
+    @property
+    def source_width(self) -> int:
+        """Padded source length of the batch (0 when empty)."""
+        return max(self._src_lengths, default=0)
+
+    @torch.inference_mode()
+    def admit(self, src: torch.Tensor, tags: Sequence[int]) -> None:
+        """src: (B, S) padded ids, each row ending with EOS; ``tags`` (B) name the sentences in
+        what ``step`` returns. They start decoding at the next step."""
+        model, cfg, k = self.model, self.model.config, self.k
+        b = src.shape[0]
+        memory, mask, _ = model.encode(src)  # (B, S, D), (B, 1, 1, S)
+        src_lengths = mask.sum(dim=(1, 2, 3))
+        limit = max_steps(src_lengths, self.options, cfg.max_positions - 1)  # (B,)
+        longest = int(limit.max())
+        if self._cache is None:  # B rows now; widened to B*K rows before the first step
+            self._cache = model.init_cache(memory, longest, self.k)
+            if k > 1:
+                self._rows = torch.arange(b, device=src.device).repeat_interleave(k)
+        else:
+            self._cache.extend_memory(model.project_memory(memory))
+            self._added += b * k
+        self._memory_mask = cat_padded(self._memory_mask, mask, dim=3)
+        self._start = torch.cat([self._start, self._start.new_full((b,), self.steps)])
+        self._stop = torch.cat([self._stop, self.steps + limit])
+        self._tokens = torch.cat([self._tokens, self._tokens.new_full((b * k,), cfg.bos_id)])
+        self._beams.extend(b, longest)
+        self.tags.extend(tags)
+        self._starts.extend([self.steps] * b)
+        self._stops.extend((self.steps + limit).tolist())
+        self._src_lengths.extend(src_lengths.tolist())
+
+    @torch.inference_mode()
+    def step(self) -> list[Finished]:
+        """One decoder step for every active sentence -> the sentences done at this step."""
+        if not self.tags:
+            return []
+        cache, k, alpha, a = self._cache, self.k, self.options.length_penalty, len(self.tags)
+        assert cache is not None
+        origin = self.steps - cache.length  # the step of the cache's first position
+        drop = min(self._starts) - origin  # positions no active sentence can see
+        if self._rows is not None or self._added or drop > 0:
+            rows = self._rows if self._rows is not None else torch.arange(cache.batch_size, device=self._start.device)
+            room = 1 if k > 1 else max(self._stops) - self.steps  # beams reorder every step
+            cache.reorder(rows, room, drop, self._added)
+            origin, self._rows, self._added = origin + drop, None, 0
+        start = self._start.repeat_interleave(k) if k > 1 else self._start  # (R,)
+        self_mask = None
+        if max(self._starts) > origin:  # someone joined after the cache's first position
+            keys = origin + torch.arange(cache.length + 1, device=start.device)
+            self_mask = (keys[None, :] >= start[:, None])[:, None, None, :]  # (R, 1, 1, L+1)
+        positions = None if self_mask is None else self.steps - start  # None: all at cache.length
+        logits = self.model.decode_step(self._tokens, cache, self._memory_mask, positions, self_mask).float()
+        beams = self._beams
+        back, tokens = beams.advance(logits.view(a, k, -1), self.steps - self._start, alpha, self.model.config.eos_id)
+        beams.finished = beams.finished | (self._stop <= self.steps + 1)[:, None]  # truncated at the limit
+        self.steps += 1
+        self._tokens = tokens.reshape(-1)
+        if k > 1:
+            self._rows = back
         done = beams.finished.all(dim=1)  # (A,)
         if not bool(done.any()):
-            state.cache.reorder(back, room=1)  # reordered again after the next step
-            continue
-        for i in done.nonzero()[:, 0].tolist():
-            yield Finished(int(state.alive[i]), beams.hypotheses(i, options.n_best, alpha), step + 1)
-        if bool(done.all()):
-            return
-        keep = (~done).nonzero()[:, 0]
-        state.keep(keep, back.view(a, k)[keep].reshape(-1), room=1)  # one copy: reorder and drop
+            return []
+        finished = done.nonzero()[:, 0].tolist()
+        out = [
+            Finished(self.tags[i], beams.hypotheses(i, self.options.n_best, alpha), self.steps - self._starts[i])
+            for i in finished
+        ]
+        if len(finished) == a:
+            self.tags, self._starts, self._stops, self._src_lengths = [], [], [], []
+            self._reset()
+            return out
+        gone = set(finished)
+        kept = _compacted([i for i in range(a) if i not in gone])
+        keep = torch.tensor(kept, device=done.device)
+        self._rows = back.view(a, k)[keep].reshape(-1) if k > 1 else keep
+        self.tags = [self.tags[i] for i in kept]
+        self._starts = [self._starts[i] for i in kept]
+        self._stops = [self._stops[i] for i in kept]
+        self._src_lengths = [self._src_lengths[i] for i in kept]
+        width = self.source_width
+        cache.select_memory(kept, width if width < self._memory_mask.shape[3] else None)
+        self._memory_mask = self._memory_mask[keep, :, :, :width]
+        self._start, self._stop = self._start[keep], self._stop[keep]
+        self._tokens = tokens[keep].reshape(-1)
         beams.keep(keep)
-        tokens = tokens.view(a, k)[keep].reshape(-1)
+        return out

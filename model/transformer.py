@@ -63,15 +63,20 @@ class Embedding(nn.Module):
             table = sinusoidal_table(config.max_positions, config.d_model)
         self.register_buffer("table", table, persistent=False)
 
-    def forward(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """ids: (B, T) at positions offset..offset+T-1 -> (B, T, D)."""
+    def forward(self, ids: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """ids: (B, T) at positions offset..offset+T-1 -> (B, T, D).
+
+        ``positions`` (B,) instead gives each row of a single step (T = 1) its own position
+        (the caller keeps them below ``max_positions``).
+        """
         end = offset + ids.shape[1]
-        if end > self.max_positions:
+        if positions is None and end > self.max_positions:
             raise ValueError(f"sequence of {end} positions exceeds max_positions {self.max_positions}")
         x = self.tokens(ids) * self.scale
         table = self.learned.weight if self.learned is not None else self.table
         assert table is not None
-        return self.dropout(x + table[offset:end].to(x.dtype))
+        where = table[offset:end] if positions is None else table[positions][:, None]  # (T, D) | (B, 1, D)
+        return self.dropout(x + where.to(x.dtype))
 
 
 class FeedForward(nn.Module):
@@ -142,13 +147,17 @@ class DecoderLayer(nn.Module):
         memory_mask: torch.Tensor,
         cache: LayerCache | None = None,
         need_weights: bool = False,
+        self_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """x: (B, T, D) -> (B, T, D), self weights (B,H,T,T) | None, cross (B,H,T,S) | None."""
+        """x: (B, T, D) -> (B, T, D), self weights (B,H,T,T) | None, cross (B,H,T,S) | None.
+
+        self_mask: (B, 1, 1, keys) for cached steps whose rows may not see every cached key.
+        """
         self_w = cross_w = None
 
         def self_attn(h: torch.Tensor) -> torch.Tensor:
             nonlocal self_w
-            out, self_w = self.self_attn(h, causal=True, cache=cache, need_weights=need_weights)
+            out, self_w = self.self_attn(h, self_mask, causal=True, cache=cache, need_weights=need_weights)
             return out
 
         def cross_attn(h: torch.Tensor) -> torch.Tensor:
@@ -226,19 +235,33 @@ class Transformer(nn.Module):
             h = self.decoder_norm(h)
         return linear(h, self.output_matrix())
 
+    def project_memory(self, memory: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """memory (B, S, D) -> every decoder layer's cross-attention K, V, each (B, H, S, Dh)."""
+        return [layer.cross_attn.project_memory(memory) for layer in self.decoder_layers]
+
     def init_cache(self, memory: torch.Tensor, capacity: int, width: int = 1) -> KVCache:
         """Project the memory (B, S, D) to every layer's cross K/V once; room for capacity steps
         of B * width rows (width hypotheses per sentence, sharing its cross K/V)."""
-        return KVCache(
-            [LayerCache(layer.cross_attn.project_memory(memory), capacity, width) for layer in self.decoder_layers]
-        )
+        return KVCache([LayerCache(kv, capacity, width) for kv in self.project_memory(memory)])
 
-    def decode_step(self, tokens: torch.Tensor, cache: KVCache, memory_mask: torch.Tensor) -> torch.Tensor:
+    def decode_step(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        memory_mask: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        self_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One incremental step. tokens: (R,) the last emitted ids, R = B * width; memory_mask
-        (B, 1, 1, S) -> logits (R, V)."""
-        x = self.tgt_embed(tokens[:, None], offset=cache.length)  # (B, 1, D)
+        (B, 1, 1, S) -> logits (R, V).
+
+        By default every row is at position ``cache.length`` and sees every cached key. Rows
+        that joined a running batch later pass their own ``positions`` (R,) and a ``self_mask``
+        (R, 1, 1, cache.length + 1) that hides the keys from before they joined.
+        """
+        x = self.tgt_embed(tokens[:, None], offset=cache.length, positions=positions)  # (R, 1, D)
         for layer, layer_cache in zip(self.decoder_layers, cache.layers, strict=True):
-            x, _, _ = layer(x, layer_cache.cross_kv, memory_mask, cache=layer_cache)
+            x, _, _ = layer(x, layer_cache.cross_kv, memory_mask, cache=layer_cache, self_mask=self_mask)
         return self.logits(x[:, 0])
 
     def decode(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from model.data import pad
-from model.decoding import Decoded, DecodingOptions, Finished, Hypothesis, collect, decode_stream
+from model.decoding import Decoded, DecodeSession, DecodingOptions, Finished, Hypothesis, collect
 from model.tokenizer import Tokenizer
 from model.transformer import AttentionMaps, Transformer
 
@@ -50,6 +50,37 @@ class AttentionResult:
     cross: torch.Tensor
 
 
+class IdsSession:
+    """A ``DecodeSession`` fed source ids without specials: it adds EOS, pads, and moves them
+    to the model's device. The service's scheduler drives one per set of decoding options."""
+
+    def __init__(self, model: Transformer, options: DecodingOptions) -> None:
+        self.session = DecodeSession(model, options)
+        self.config = model.config
+        self.device = next(model.parameters()).device
+
+    @property
+    def active(self) -> int:
+        return self.session.active
+
+    @property
+    def source_width(self) -> int:
+        return self.session.source_width
+
+    def admit(self, batch: Sequence[Sequence[int]], tags: Sequence[int]) -> None:
+        """Sentences (ids, no specials) join; they are returned by ``step`` under their tags."""
+        limit = self.config.max_positions - 1
+        too_long = [len(ids) for ids in batch if len(ids) > limit]
+        if too_long:
+            raise ValueError(f"source of {max(too_long)} tokens exceeds {limit}")
+        src = pad([[*ids, self.config.eos_id] for ids in batch], self.config.pad_id).to(self.device)
+        self.session.admit(src, tags)
+
+    def step(self) -> list[Finished]:
+        """One decoder step of every active sentence -> those done at it."""
+        return self.session.step()
+
+
 class Translator:
     """A model and its tokenizer, on one device."""
 
@@ -81,11 +112,15 @@ class Translator:
 
     def decode_stream(self, batch: Sequence[Sequence[int]], options: DecodingOptions) -> Iterator[Finished]:
         """Decode one batch; each sentence (its index in ``batch``) as soon as it is done."""
-        too_long = [len(ids) for ids in batch if len(ids) > self.max_source_tokens]
-        if too_long:
-            raise ValueError(f"source of {max(too_long)} tokens exceeds {self.max_source_tokens}")
-        src = pad([[*ids, self.config.eos_id] for ids in batch], self.config.pad_id).to(self.device)
-        return decode_stream(self.model, src, options)
+        session = self.open_session(options)
+        if batch:
+            session.admit(batch, range(len(batch)))
+        while session.active:
+            yield from session.step()
+
+    def open_session(self, options: DecodingOptions) -> IdsSession:
+        """A running batch that sentences can join between steps (continuous batching)."""
+        return IdsSession(self.model, options)
 
     def to_translation(self, src_ids: Sequence[int], hyps: Sequence[Hypothesis]) -> Translation:
         texts = self.tokenizer.decode([h.ids for h in hyps])
@@ -136,4 +171,4 @@ def _first(maps: torch.Tensor) -> torch.Tensor:
     return maps[:, 0].float().cpu()
 
 
-__all__ = ["AttentionMaps", "AttentionResult", "TranslatedHypothesis", "Translation", "Translator"]
+__all__ = ["AttentionMaps", "AttentionResult", "IdsSession", "TranslatedHypothesis", "Translation", "Translator"]

@@ -1,22 +1,31 @@
-"""The batch scheduler on its own: the worker thread owns the model, from warm-up on."""
+"""The batch scheduler on its own, driving real decoding sessions of a tiny random model:
+the worker thread owns the model from warm-up on, sentences join a running batch between
+decoder steps and leave it the step they are done."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Sequence
 
 import pytest
+import torch
 
-from app.batching import BatchLimits, BatchScheduler
+from app.batching import BatchLimits, BatchScheduler, Job
 from app.metrics import Metrics
-from model.decoding import DecodingOptions, Finished, Hypothesis
+from model.data import pad
+from model.decoding import DecodingOptions, Finished, Hypothesis, decode
+from model.transformer import Transformer
+from model.translator import IdsSession
+from tests.model.test_decoding import make_model
 
 LIMITS = BatchLimits(max_sentences=8, max_tokens=1000, max_wait_s=0.0, queue_size=100)
+GREEDY = DecodingOptions(beam_size=1)
+MODEL = make_model(seed=2)
 
 
-def never_called(ids: list[list[int]], options: DecodingOptions) -> Iterator[Finished]:
-    raise AssertionError("no batch was submitted")
+def never_opened(options: DecodingOptions) -> IdsSession:
+    raise AssertionError("no batch was started")
 
 
 def test_warm_up_runs_on_the_worker_thread_before_start_returns() -> None:
@@ -25,7 +34,7 @@ def test_warm_up_runs_on_the_worker_thread_before_start_returns() -> None:
     def warm_up() -> None:
         seen.append(threading.current_thread().name)
 
-    scheduler = BatchScheduler(never_called, LIMITS, Metrics(), "xx-yy")
+    scheduler = BatchScheduler(never_opened, LIMITS, Metrics(), "xx-yy")
     scheduler.start(warm_up=warm_up)
     try:
         assert seen == ["batcher-xx-yy"]  # done, and not on this thread
@@ -37,35 +46,208 @@ def test_a_failing_warm_up_fails_start() -> None:
     def warm_up() -> None:
         raise RuntimeError("model is broken")
 
-    scheduler = BatchScheduler(never_called, LIMITS, Metrics(), "xx-yy")
+    scheduler = BatchScheduler(never_opened, LIMITS, Metrics(), "xx-yy")
     with pytest.raises(RuntimeError, match="model is broken"):
         scheduler.start(warm_up=warm_up)
 
 
+class Recorded(IdsSession):
+    """A real session that records its admissions (the step they came at) and can pause the
+    worker before a step, while ``pause_before(session)`` holds, until released."""
+
+    def __init__(self, model: Transformer, options: DecodingOptions, log: list, pause_before: Callable) -> None:
+        super().__init__(model, options)
+        self.log, self.pause_before = log, pause_before
+        self.paused, self.release = threading.Event(), threading.Event()
+
+    def admit(self, batch: Sequence[Sequence[int]], tags: Sequence[int]) -> None:
+        self.log.append((self.session.options.beam_size, self.session.steps, [tuple(ids) for ids in batch]))
+        super().admit(batch, tags)
+
+    def step(self) -> list[Finished]:
+        if self.pause_before(self) and not self.release.is_set():
+            self.paused.set()
+            assert self.release.wait(10), "the test never released the worker"
+        return super().step()
+
+
+class Harness:
+    """A scheduler over Recorded sessions of MODEL; the first can pause (``pause_before``)."""
+
+    def __init__(self, pause_before: Callable = lambda s: False, limits: BatchLimits = LIMITS) -> None:
+        self.log: list = []
+        self.sessions: list[Recorded] = []
+        self.metrics = Metrics()
+
+        def open_session(options: DecodingOptions) -> Recorded:  # only the first batch pauses
+            gate = pause_before if not self.sessions else lambda s: False
+            self.sessions.append(Recorded(MODEL, options, self.log, gate))
+            return self.sessions[-1]
+
+        self.scheduler = BatchScheduler(open_session, limits, self.metrics, "xx-yy")
+
+    def __enter__(self) -> Harness:
+        self.scheduler.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s in self.sessions:
+            s.release.set()
+        self.scheduler.close(timeout=10)
+
+    async def paused(self) -> Recorded:
+        """The session the worker is paused in, once it is."""
+        for _ in range(1000):
+            for s in self.sessions:
+                if s.paused.is_set():
+                    return s
+            await asyncio.sleep(0.01)
+        raise AssertionError("the worker never paused")
+
+    def sample(self, name: str) -> float:
+        value = self.metrics.registry.get_sample_value(name, {"direction": "xx-yy"} if "steps" in name else None)
+        assert value is not None
+        return value
+
+
+def alone(ids: list[int], options: DecodingOptions) -> list[Hypothesis]:
+    return decode(MODEL, pad([[*ids, 3]], 0), options).hypotheses[0]
+
+
+def steps_alone(ids: list[int], options: DecodingOptions) -> int:
+    return decode(MODEL, pad([[*ids, 3]], 0), options).steps
+
+
+LONG = list(range(4, 40))  # 36 pieces
+SHORT = [5, 6]
+
+
+def test_the_example_sentences_take_the_steps_the_tests_rely_on() -> None:
+    assert steps_alone(LONG, GREEDY) > 2 * steps_alone(SHORT, GREEDY) + 5
+
+
+async def result(job: Job) -> list[Hypothesis]:
+    return await asyncio.wait_for(job.future, 10)
+
+
+def same(got: list[Hypothesis], expected: list[Hypothesis]) -> bool:
+    """The same hypotheses, scores equal up to float rounding (batched vs alone)."""
+    return [(h.ids, h.finished) for h in got] == [(h.ids, h.finished) for h in expected] and all(
+        g.score == pytest.approx(e.score, abs=1e-4) for g, e in zip(got, expected, strict=True)
+    )
+
+
 def test_each_sentence_is_delivered_as_soon_as_it_is_done() -> None:
-    """A short sentence's request is answered while the batch still decodes a long one."""
-    release = threading.Event()
+    """A short sentence's request is answered while its batch still decodes a long one."""
 
-    def run_batch(ids: list[list[int]], options: DecodingOptions) -> Iterator[Finished]:
-        yield Finished(1, [Hypothesis(tuple(ids[1]), -1.0, -1.0, True)], 2)
-        assert release.wait(10), "the test never released the long sentence"
-        yield Finished(0, [Hypothesis(tuple(ids[0]), -2.0, -2.0, True)], 12)
-
-    async def scenario(scheduler: BatchScheduler) -> None:
-        long_job, short_job = scheduler.submit([[5] * 10, [6]], DecodingOptions(beam_size=1))
-        short = await asyncio.wait_for(short_job.future, 10)
-        assert short[0].ids == (6,)
+    async def scenario(h: Harness) -> None:
+        long_job, short_job = h.scheduler.submit([LONG, SHORT], GREEDY)
+        assert same(await result(short_job), alone(SHORT, GREEDY))
+        session = await h.paused()
         assert not long_job.future.done()  # same batch, still decoding
-        release.set()
-        long = await asyncio.wait_for(long_job.future, 10)
-        assert long[0].ids == (5,) * 10
+        session.release.set()
+        assert same(await result(long_job), alone(LONG, GREEDY))
 
-    metrics = Metrics()
-    scheduler = BatchScheduler(run_batch, BatchLimits(8, 1000, 0.05, 100), metrics, "xx-yy")
-    scheduler.start()
-    try:
-        asyncio.run(scenario(scheduler))
-    finally:
-        release.set()
-        scheduler.close(timeout=5)
-    assert metrics.registry.get_sample_value("translator_batch_sentences_sum") == 2  # one batch of both
+    with Harness(pause_before=lambda s: s.active == 1 and s.session.steps > 0) as h:
+        asyncio.run(scenario(h))
+    assert h.log == [(1, 0, [tuple(LONG), tuple(SHORT)])]  # one batch of both
+
+
+def test_sentences_join_a_running_batch_between_steps() -> None:
+    """A request that arrives while a batch decodes joins it at the next step, instead of
+    waiting for it to finish, and gets the same translation as alone."""
+
+    async def scenario(h: Harness) -> None:
+        long_job = h.scheduler.submit([LONG], GREEDY)[0]
+        session = await h.paused()
+        short_job = h.scheduler.submit([SHORT], GREEDY)[0]
+        session.release.set()
+        assert same(await result(short_job), alone(SHORT, GREEDY))
+        assert not long_job.future.done()
+        assert same(await result(long_job), alone(LONG, GREEDY))
+
+    with Harness(pause_before=lambda s: s.session.steps == 3) as h:
+        asyncio.run(scenario(h))
+    assert len(h.sessions) == 1  # one running batch ...
+    assert h.log == [(1, 0, [tuple(LONG)]), (1, 4, [tuple(SHORT)])]  # ... joined after its 4th step
+    steps = h.sample("translator_decode_steps_total")
+    assert steps == steps_alone(LONG, GREEDY)
+    # sentences per step: the long one every step, the short one for its own steps
+    assert h.sample("translator_batch_sentences_sum") == steps + steps_alone(SHORT, GREEDY)
+
+
+def test_other_options_wait_for_the_running_batch_to_drain() -> None:
+    """The oldest queued job decides what runs next: a job with other options is not starved
+    by a stream of jobs that could join the running batch."""
+    beam = DecodingOptions(beam_size=2)
+
+    async def scenario(h: Harness) -> None:
+        first = h.scheduler.submit([LONG], GREEDY)[0]
+        session = await h.paused()
+        other = h.scheduler.submit([SHORT], beam)[0]
+        later = h.scheduler.submit([[7, 8, 9]], GREEDY)[0]
+        session.release.set()
+        assert same(await result(first), alone(LONG, GREEDY))
+        assert same(await result(other), alone(SHORT, beam))
+        assert same(await result(later), alone([7, 8, 9], GREEDY))
+
+    with Harness(pause_before=lambda s: s.session.steps == 2) as h:
+        asyncio.run(scenario(h))
+    assert h.log == [(1, 0, [tuple(LONG)]), (2, 0, [tuple(SHORT)]), (1, 0, [(7, 8, 9)])]
+
+
+def test_the_batch_limits_bound_who_joins() -> None:
+    """No more sentences decode together than max_sentences; the rest join as others leave."""
+    rows = [[4 + i, 5 + i] for i in range(5)]
+
+    async def scenario(h: Harness) -> None:
+        first = h.scheduler.submit([LONG], GREEDY)[0]
+        session = await h.paused()
+        jobs = h.scheduler.submit(rows, GREEDY)
+        session.release.set()
+        for job, ids in zip(jobs, rows, strict=True):
+            assert same(await result(job), alone(ids, GREEDY))
+        assert same(await result(first), alone(LONG, GREEDY))
+
+    limits = BatchLimits(max_sentences=3, max_tokens=1000, max_wait_s=0.0, queue_size=100)
+    with Harness(pause_before=lambda s: s.session.steps == 1, limits=limits) as h:
+        asyncio.run(scenario(h))
+    assert [len(batch) for _, _, batch in h.log][:2] == [1, 2]
+    assert sum(len(batch) for _, _, batch in h.log) == 6
+    assert h.sample("translator_batch_sentences_count") > 0
+    assert h.metrics.registry.get_sample_value("translator_batch_sentences_bucket", {"le": "2.0"}) is not None
+    assert h.metrics.registry.get_sample_value("translator_batch_sentences_bucket", {"le": "4.0"}) == h.sample(
+        "translator_batch_sentences_count"
+    )  # never more than 3 at a step
+
+
+def test_a_failing_step_fails_its_batch_and_the_next_batch_runs() -> None:
+    broken = {"once": True}
+
+    def pause_before(s: Recorded) -> bool:
+        if s.session.steps == 2 and broken.pop("once", False):
+            raise RuntimeError("device lost")
+        return False
+
+    async def scenario(h: Harness) -> None:
+        jobs = h.scheduler.submit([LONG, SHORT], GREEDY)
+        for job in jobs:
+            with pytest.raises(RuntimeError, match="device lost"):
+                await result(job)
+        assert same(await result(h.scheduler.submit([SHORT], GREEDY)[0]), alone(SHORT, GREEDY))
+
+    with Harness(pause_before=pause_before) as h:
+        asyncio.run(scenario(h))
+    assert len(h.sessions) == 2
+
+
+def test_decode_steps_count_model_steps_not_sentences() -> None:
+    async def scenario(h: Harness) -> None:
+        for job in h.scheduler.submit([SHORT, [9, 10, 11]], GREEDY):
+            await result(job)
+
+    with Harness() as h:
+        asyncio.run(scenario(h))
+    expected = max(steps_alone(SHORT, GREEDY), steps_alone([9, 10, 11], GREEDY))
+    assert h.sample("translator_decode_steps_total") == expected
+    assert torch.is_grad_enabled()  # the worker's inference mode did not leak

@@ -57,16 +57,19 @@ def test_concurrent_requests_match_sequential_and_are_batched(
     env = {**weights_env, "TRANSLATOR_CACHE_SIZE": "0", "TRANSLATOR_MAX_WAIT_MS": "20"}
     sentences = test_sentences[:64]
     with running_server(env) as url:
+        steps = {"direction": "de-en"}
+        before = metric(url, "translator_decode_steps_total", steps)
         sequential = [httpx.post(f"{url}/translate", json={"q": s, **DOC}, timeout=60).json() for s in sentences]
-        batches_before = metric(url, "translator_batch_sentences_count")
+        alone = metric(url, "translator_decode_steps_total", steps) - before
+        before = metric(url, "translator_decode_steps_total", steps)
+        rows = metric(url, "translator_batch_sentences_sum")
         concurrent = asyncio.run(post_all(url, [{"q": s, **DOC} for s in sentences]))
         assert [r.status_code for r in concurrent] == [200] * 64
         assert [r.json() for r in concurrent] == sequential
-        batches = metric(url, "translator_batch_sentences_count") - batches_before
-        assert batches < 32, f"64 concurrent sentences ran in {batches:.0f} batches"
-        assert metric(url, "translator_batch_sentences_bucket", {"le": "1.0"}) < metric(
-            url, "translator_batch_sentences_count"
-        )
+        together = metric(url, "translator_decode_steps_total", steps) - before
+        assert together < alone / 4, f"64 concurrent sentences took {together:.0f} decoder steps, alone {alone:.0f}"
+        # every sentence was decoded for as many steps as alone, sharing them with the others
+        assert metric(url, "translator_batch_sentences_sum") - rows == alone
 
 
 def test_full_queue_answers_429_at_once(weights_env: dict[str, str], test_sentences: list[str]) -> None:
@@ -119,7 +122,7 @@ def test_timeout_gives_504_and_server_keeps_serving(weights_env: dict[str, str],
 def test_disconnected_client_leaves_no_work_queued(weights_env: dict[str, str], test_sentences: list[str]) -> None:
     env = {**weights_env, "TRANSLATOR_MAX_BATCH_SENTENCES": "1", "TRANSLATOR_CACHE_SIZE": "0"}
     with running_server(env) as url:
-        before = metric(url, "translator_batch_sentences_count")
+        before = metric(url, "translator_queue_wait_seconds_count")  # sentences that left the queue
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/translate", json={"q": test_sentences[:60], **DOC}, timeout=0.3)
         deadline = time.monotonic() + 5
@@ -127,7 +130,7 @@ def test_disconnected_client_leaves_no_work_queued(weights_env: dict[str, str], 
             assert time.monotonic() < deadline, "queued sentences were not withdrawn"
             time.sleep(0.05)
         time.sleep(0.5)
-        ran = metric(url, "translator_batch_sentences_count") - before
+        ran = metric(url, "translator_queue_wait_seconds_count") - before
         assert ran < 60, f"{ran:.0f} of 60 sentences were translated for a client that had left"
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench import naive
 from model.config import ModelConfig
 from model.data import pad
-from model.decoding import TOP_K_BLOCK, DecodingOptions, beam_search, decode, decode_stream, greedy_search, top_k
+from model.decoding import TOP_K_BLOCK, DecodeSession, DecodingOptions, decode, decode_stream, top_k
 from model.transformer import Transformer
 
 V = 60
@@ -73,15 +74,15 @@ def test_cached_steps_match_full_recomputation(norm_first: bool, positions: str)
 
 
 @pytest.mark.parametrize("vocab", [V, BIG_V])
-def test_greedy_equals_beam_of_one(vocab: int) -> None:
+def test_greedy_matches_the_uncached_one_sentence_decoder(vocab: int) -> None:
+    """Greedy search (a beam of one over the cache, batched) = argmax over a full recomputation
+    of the prefix at every step, one sentence at a time (the tutorials' decoder)."""
     model = make_model(vocab=vocab)
-    src = pad(sources(6, vocab=vocab), 0)
+    rows = sources(6, vocab=vocab)
     opts = DecodingOptions(beam_size=1)
-    greedy = greedy_search(model, src, opts).hypotheses
-    beam = beam_search(model, src, opts).hypotheses
-    for g, b in zip(greedy, beam, strict=True):
-        assert g[0].ids == b[0].ids
-        assert g[0].score == pytest.approx(b[0].score, abs=1e-5)
+    batched = decode(model, pad(rows, 0), opts).hypotheses
+    for row, hyps in zip(rows, batched, strict=True):
+        assert list(hyps[0].ids) == naive.greedy_ids(model, row[:-1], opts)
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6])
@@ -156,3 +157,58 @@ def test_stream_yields_each_sentence_once_when_it_is_done(beam_size: int) -> Non
         h = d.hypotheses[0]
         assert not h.finished or len(h.ids) + 1 <= d.steps
     assert [d.hypotheses for d in sorted(stream, key=lambda d: d.index)] == decode(model, src, opts).hypotheses
+
+
+@pytest.mark.parametrize("vocab", [V, BIG_V])
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_sentences_joining_a_running_batch_decode_as_if_alone(beam_size: int, vocab: int) -> None:
+    """Continuous batching: sentences admitted between steps of a running session (shorter and
+    longer sources than those decoding, while others finish and leave) get exactly the
+    hypotheses and scores they get alone."""
+    model = make_model(seed=2, vocab=vocab)
+    opts = DecodingOptions(beam_size=beam_size, n_best=beam_size)
+    rows = [sources(1, seed=3, min_len=30, max_len=30, vocab=vocab)[0], *sources(15, seed=21, max_len=24, vocab=vocab)]
+    alone = [decode(model, pad([row], 0), opts) for row in rows]
+    # The longest source starts alone; a short one joins a step before it finishes, so when it
+    # leaves, the cache forgets positions and the encoder memory shrinks; the rest come and go.
+    short = min((i for i in range(1, 16) if alone[i].steps >= 2), key=lambda i: len(rows[i]))
+    arrivals: dict[int, list[int]] = {0: [0], alone[0].steps - 1: [short]}
+    others = [i for i in range(1, 16) if i != short]
+    for i, when in zip(others, [1, 2, 2, 3, 5, 5, 5, 6, 9, 9, 14, 14, 15, 32], strict=True):
+        arrivals.setdefault(when, []).append(i)
+    session = DecodeSession(model, opts)
+    results: dict[int, list] = {}
+    step, trace = 0, []
+    while len(results) < len(rows):
+        joining = arrivals.get(step, [])
+        if joining:
+            session.admit(pad([rows[i] for i in joining], 0), joining)
+        for done in session.step():
+            assert done.index not in results and done.steps == alone[done.index].steps
+            results[done.index] = done.hypotheses
+        trace.append((session.active, session.source_width))
+        step += 1
+    assert max(active for active, _ in trace) > 4  # the batch really was shared
+    assert (trace[alone[0].steps - 1][1] < len(rows[0])) and trace[alone[0].steps - 1][0] > 0
+    for i, expected in enumerate(alone):
+        got = results[i]
+        assert [h.ids for h in got] == [h.ids for h in expected.hypotheses[0]], i
+        for a, t in zip(expected.hypotheses[0], got, strict=True):
+            assert t.finished == a.finished
+            assert t.score == pytest.approx(a.score, abs=1e-4)
+            assert t.log_prob == pytest.approx(a.log_prob, abs=1e-4)
+
+
+def test_an_emptied_session_starts_over() -> None:
+    model = make_model(seed=5)
+    rows = sources(3, seed=2)
+    opts = DecodingOptions(beam_size=3)
+    session = DecodeSession(model, opts)
+    expected = decode(model, pad(rows, 0), opts).hypotheses
+    for _ in range(2):
+        session.admit(pad(rows, 0), [7, 8, 9])
+        got = {}
+        while session.active:
+            got.update({d.index: d.hypotheses for d in session.step()})
+        assert [got[t] for t in (7, 8, 9)] == expected
+        assert session.steps == 0
