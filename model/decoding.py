@@ -156,7 +156,9 @@ class _Beams:
     """K hypotheses per active sentence: raw log-probabilities, lengths, flags and tokens.
 
     A sentence joins with one live hypothesis (BOS, score 0) and K - 1 at -inf, so its first
-    step's K best candidates all extend the live one, and every sentence has K rows.
+    step's K best candidates all extend the live one. A batch's first step runs one row per
+    sentence (the others would be copies of it; K rows cost 5% more row-steps on test_2016);
+    sentences that join a running batch get K rows, like everyone else in it by then.
     """
 
     def __init__(self, k: int, pad_id: int, device: torch.device) -> None:
@@ -183,8 +185,9 @@ class _Beams:
     def advance(
         self, logits: torch.Tensor, step: torch.Tensor, alpha: float, eos_id: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: (A, K, V) float32 next-token logits, step: (A,) each sentence's steps so far
-        -> back-pointer rows (A*K,) and the tokens chosen (A, K).
+        """logits: (A, W, V) float32 next-token logits of each sentence's first W hypotheses
+        (W = 1 at a batch's first step, else K), step: (A,) each sentence's steps so far
+        -> back-pointer rows (A*K,) into the A*W, and the tokens chosen (A, K).
 
         Every alive hypothesis of a sentence has step+1 tokens after this step, so its alive
         candidates share one length penalty and rank by raw log P; a finished hypothesis
@@ -201,10 +204,10 @@ class _Beams:
             self.eos = self.finished = tok == eos_id
             self.history[torch.arange(a, device=step.device), :, step] = tok
             return torch.arange(a, device=tok.device), tok
-        candidates = logp.view(a, w, k) + self.scores[..., None]  # raw log P, (A, K, K)
+        scores, length, finished = self.scores[:, :w], self.length[:, :w], self.finished[:, :w, None]
+        candidates = logp.view(a, w, k) + scores[..., None]  # raw log P, (A, W, K)
         scale = length_penalty(step + 1, alpha)[:, None]  # (A, 1)
-        done = (self.scores / length_penalty(self.length, alpha) * scale)[..., None]  # (A, K, 1)
-        finished = self.finished[..., None]
+        done = (scores / length_penalty(length, alpha) * scale)[..., None]  # (A, W, 1)
         candidates = torch.where(finished, done + self.only_first, candidates)
         tok = torch.where(finished, self.pad_id, tok.view(a, w, k))
         raw, flat = candidates.view(a, w * k).topk(k, dim=-1)  # (A, K), best first
@@ -272,6 +275,7 @@ class DecodeSession:
         self._beams = _Beams(self.k, self.model.config.pad_id, device)
         self._rows: torch.Tensor | None = None  # cache rows to gather before the next step
         self._added = 0  # cache rows to add before the next step
+        self._width = 1  # rows per sentence: 1 until the first step, then K
 
     @property
     def active(self) -> int:
@@ -287,23 +291,21 @@ class DecodeSession:
     def admit(self, src: torch.Tensor, tags: Sequence[int]) -> None:
         """src: (B, S) padded ids, each row ending with EOS; ``tags`` (B) name the sentences in
         what ``step`` returns. They start decoding at the next step."""
-        model, cfg, k = self.model, self.model.config, self.k
+        model, cfg, w = self.model, self.model.config, self._width
         b = src.shape[0]
         memory, mask, _ = model.encode(src)  # (B, S, D), (B, 1, 1, S)
         src_lengths = mask.sum(dim=(1, 2, 3))
         limit = max_steps(src_lengths, self.options, cfg.max_positions - 1)  # (B,)
         longest = int(limit.max())
-        if self._cache is None:  # B rows now; widened to B*K rows before the first step
+        if self._cache is None:  # one row per sentence, widened to K by the first step
             self._cache = model.init_cache(memory, longest, self.k)
-            if k > 1:
-                self._rows = torch.arange(b, device=src.device).repeat_interleave(k)
         else:
             self._cache.extend_memory(model.project_memory(memory))
-            self._added += b * k
+            self._added += b * w
         self._memory_mask = cat_padded(self._memory_mask, mask, dim=3)
         self._start = torch.cat([self._start, self._start.new_full((b,), self.steps)])
         self._stop = torch.cat([self._stop, self.steps + limit])
-        self._tokens = torch.cat([self._tokens, self._tokens.new_full((b * k,), cfg.bos_id)])
+        self._tokens = torch.cat([self._tokens, self._tokens.new_full((b * w,), cfg.bos_id)])
         self._beams.extend(b, longest)
         self.tags.extend(tags)
         self._starts.extend([self.steps] * b)
@@ -315,7 +317,7 @@ class DecodeSession:
         """One decoder step for every active sentence -> the sentences done at this step."""
         if not self.tags:
             return []
-        cache, k, alpha, a = self._cache, self.k, self.options.length_penalty, len(self.tags)
+        cache, k, w, alpha, a = self._cache, self.k, self._width, self.options.length_penalty, len(self.tags)
         assert cache is not None
         origin = self.steps - cache.length  # the step of the cache's first position
         drop = min(self._starts) - origin  # positions no active sentence can see
@@ -324,17 +326,17 @@ class DecodeSession:
             room = 1 if k > 1 else max(self._stops) - self.steps  # beams reorder every step
             cache.reorder(rows, room, drop, self._added)
             origin, self._rows, self._added = origin + drop, None, 0
-        start = self._start.repeat_interleave(k) if k > 1 else self._start  # (R,)
-        self_mask = None
+        self_mask = positions = None  # None: every row sees the whole cache, at position cache.length
         if max(self._starts) > origin:  # someone joined after the cache's first position
+            start = self._start.repeat_interleave(w) if w > 1 else self._start  # (R,)
             keys = origin + torch.arange(cache.length + 1, device=start.device)
             self_mask = (keys[None, :] >= start[:, None])[:, None, None, :]  # (R, 1, 1, L+1)
-        positions = None if self_mask is None else self.steps - start  # None: all at cache.length
+            positions = self.steps - start
         logits = self.model.decode_step(self._tokens, cache, self._memory_mask, positions, self_mask).float()
         beams = self._beams
-        back, tokens = beams.advance(logits.view(a, k, -1), self.steps - self._start, alpha, self.model.config.eos_id)
+        back, tokens = beams.advance(logits.view(a, w, -1), self.steps - self._start, alpha, self.model.config.eos_id)
         beams.finished = beams.finished | (self._stop <= self.steps + 1)[:, None]  # truncated at the limit
-        self.steps += 1
+        self.steps, self._width = self.steps + 1, k
         self._tokens = tokens.reshape(-1)
         if k > 1:
             self._rows = back

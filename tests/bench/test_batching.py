@@ -1,0 +1,27 @@
+"""bench/batching.py: static against continuous batching, on the shipped weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import batching
+
+
+def test_three_modes_decode_the_same_sentence_steps(
+    shipped: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    batching.main(["--weights", str(shipped), "--data-dir", str(data_dir), "--limit", "48", "--batch", "8"]
+                  + ["--repeat", "1", "--threads", "1"])  # fmt: skip
+    rows = {row["mode"]: row for row in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert list(rows) == ["static-sorted", "static-arrival", "continuous"]
+    for row in rows.values():
+        assert row["sentences"] == 48 and row["seconds"] > 0 and row["beam_size"] == 4
+    # each sentence takes the steps it takes alone, however it is batched ...
+    assert len({row["sentence_steps"] for row in rows.values()}) == 1
+    # ... but a batch that is topped up stays fuller, so it needs fewer steps than static ones
+    assert rows["continuous"]["steps"] < rows["static-arrival"]["steps"]
+    assert rows["continuous"]["mean_active"] > rows["static-arrival"]["mean_active"]
+    assert rows["continuous"]["mean_active"] <= 8
