@@ -1,13 +1,15 @@
 """Load benchmark of the real server: closed-loop clients sending one sentence per request.
 
     python -m bench.load [--concurrency 1,4,16,64] [--requests 512] [--batching on,off]
-                         [--weights weights] [--beam-size N] [--threads 2]
+                         [--weights weights] [--beam-size N] [--threads 2] [--rounds 1]
 
 For each batching mode it starts ``translator serve`` as a separate process (batching
 off = at most one sentence per model batch; the translation cache is off in both), then
 for each concurrency runs that many clients, each sending its next test_2016_flickr
 sentence as soon as its previous answer arrives, until ``--requests`` are done. One JSON
-line per run: concurrency, batching, requests, rps, p50_ms, p95_ms, p99_ms, errors.
+line per run: concurrency, batching, requests, rps, p50_ms, p95_ms, p99_ms, errors. With
+``--rounds N`` the sweep runs N times (servers restarted, modes alternating) and each row is
+the round with the median requests/s, plus ``rounds_rps``: this machine drifts 10-20%.
 The clients run in this process, on the same machine as the server, so they share its CPU:
 they speak HTTP/1.1 over keep-alive connections through asyncio streams (``Connection``),
 which cost ~0.13 ms of CPU per request where httpx's async client cost ~4.3 ms, about 40% of
@@ -28,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -193,16 +195,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the server")
     parser.add_argument("--port", type=int, default=8790)
     parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="repeat the whole sweep; print each row's median-rps round"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     sentences = read_lines(args.data / "test_2016_flickr.de.gz")
     levels = [int(c) for c in args.concurrency.split(",")]
-    for mode in args.batching.split(","):
-        with server(args.weights, mode == "on", args.threads, args.port) as url:
-            asyncio.run(closed_loop(url, sentences[-50:], 4, 50, args.beam_size))  # warm-up
-            for concurrency in levels:
-                result = asyncio.run(closed_loop(url, sentences, concurrency, args.requests, args.beam_size))
-                print(json.dumps(asdict(result) | {"batching": mode}), flush=True)
+    runs: dict[tuple[str, int], list[LoadResult]] = {}
+    for _ in range(args.rounds):
+        for mode in args.batching.split(","):
+            with server(args.weights, mode == "on", args.threads, args.port) as url:
+                asyncio.run(closed_loop(url, sentences[-50:], 4, 50, args.beam_size))  # warm-up
+                for concurrency in levels:
+                    result = asyncio.run(closed_loop(url, sentences, concurrency, args.requests, args.beam_size))
+                    result = replace(result, batching=mode)
+                    runs.setdefault((mode, concurrency), []).append(result)
+                    if args.rounds == 1:
+                        print(json.dumps(asdict(result)), flush=True)
+    if args.rounds > 1:  # each row: the round with the median requests/s, and every round's
+        for results in runs.values():
+            middle = sorted(results, key=lambda r: r.rps)[len(results) // 2]
+            print(json.dumps(asdict(middle) | {"rounds_rps": [r.rps for r in results]}), flush=True)
 
 
 if __name__ == "__main__":

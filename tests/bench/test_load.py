@@ -75,3 +75,15 @@ def test_connection_keeps_alive_and_reads_errors(tiny_weights_dir: Path) -> None
 
     with running_server(env) as url:
         asyncio.run(scenario(url))
+
+
+@pytest.mark.slow
+def test_rounds_report_each_rows_median_round(tiny_weights_dir: Path, data_dir: Path) -> None:
+    cmd = [sys.executable, "-m", "bench.load", "--concurrency", "1,4", "--requests", "12", "--batching", "on"]
+    cmd += ["--weights", str(tiny_weights_dir), "--beam-size", "1", "--port", str(free_port()), "--data", str(data_dir)]
+    proc = subprocess.run([*cmd, "--rounds", "3"], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(r["batching"], r["concurrency"]) for r in rows] == [("on", 1), ("on", 4)]
+    for row in rows:
+        assert len(row["rounds_rps"]) == 3 and row["rps"] == sorted(row["rounds_rps"])[1]
