@@ -13,8 +13,8 @@ from bench import batching
 def test_three_modes_decode_the_same_sentence_steps(
     shipped: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    batching.main(["--weights", str(shipped), "--data-dir", str(data_dir), "--limit", "48", "--batch", "8"]
-                  + ["--repeat", "1", "--threads", "1"])  # fmt: skip
+    args = ["--weights", str(shipped), "--data-dir", str(data_dir), "--limit", "48", "--batch", "8"]
+    batching.main([*args, "--repeat", "1", "--threads", "1"])
     rows = {row["mode"]: row for row in map(json.loads, capsys.readouterr().out.splitlines())}
     assert list(rows) == ["static-sorted", "static-arrival", "continuous"]
     for row in rows.values():
