@@ -257,16 +257,16 @@ class DecodeSession:
 
     def __init__(self, model: Transformer, options: DecodingOptions) -> None:
         self.model, self.options, self.k = model, options, options.beam_size
+        self._reset()
+
+    def _reset(self) -> None:
+        """Empty: the state of a new session."""
+        device = next(self.model.parameters()).device
         self.steps = 0  # decoder steps run since the session was last empty
         self.tags: list[int] = []  # per active sentence, in batch order
         self._starts: list[int] = []  # the step each sentence joined at
         self._stops: list[int] = []  # the step each sentence is cut at (its length limit)
         self._src_lengths: list[int] = []
-        self._reset()
-
-    def _reset(self) -> None:
-        device = next(self.model.parameters()).device
-        self.steps = 0
         self._cache: KVCache | None = None
         self._memory_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=device)  # (A, 1, 1, S)
         self._start = torch.zeros(0, dtype=torch.long, device=device)  # (A,) step joined at
@@ -349,7 +349,6 @@ class DecodeSession:
             for i in finished
         ]
         if len(finished) == a:
-            self.tags, self._starts, self._stops, self._src_lengths = [], [], [], []
             self._reset()
             return out
         gone = set(finished)
