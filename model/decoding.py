@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.cache import KVCache, cat_padded
+from model.cache import KVCache
 from model.transformer import Transformer
 
 
@@ -152,6 +152,18 @@ def _hypothesis(row: torch.Tensor, length: int, score: float, log_prob: float, f
     return Hypothesis(tuple(row[:n].tolist()), score, log_prob, finished)
 
 
+def _cat_padded(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """Stack a (A, ...) and b (B, ...) along dim 0 -> (A + B, ...), zero-padding dimension
+    ``dim`` to the longer of the two (False in a mask: padding)."""
+    size = list(a.shape)
+    size[0] += b.shape[0]
+    size[dim] = max(a.shape[dim], b.shape[dim])
+    out = a.new_zeros(size)
+    out[: a.shape[0]].narrow(dim, 0, a.shape[dim]).copy_(a)
+    out[a.shape[0] :].narrow(dim, 0, b.shape[dim]).copy_(b)
+    return out
+
+
 class _Beams:
     """K hypotheses per active sentence: raw log-probabilities, lengths, flags and tokens.
 
@@ -180,7 +192,7 @@ class _Beams:
         self.finished = torch.cat([self.finished, self.finished.new_zeros(b, self.k)])
         self.eos = torch.cat([self.eos, self.eos.new_zeros(b, self.k)])
         # (positions past a sentence's own limit are never read, whatever cat_padded put there)
-        self.history = cat_padded(self.history, self.history.new_full((b, self.k, steps), self.pad_id), dim=2)
+        self.history = _cat_padded(self.history, self.history.new_full((b, self.k, steps), self.pad_id), dim=2)
 
     def advance(
         self, logits: torch.Tensor, step: torch.Tensor, alpha: float, eos_id: int
@@ -302,7 +314,7 @@ class DecodeSession:
         else:
             self._cache.extend_memory(model.project_memory(memory))
             self._added += b * w
-        self._memory_mask = cat_padded(self._memory_mask, mask, dim=3)
+        self._memory_mask = _cat_padded(self._memory_mask, mask, dim=3)
         self._start = torch.cat([self._start, self._start.new_full((b,), self.steps)])
         self._stop = torch.cat([self._stop, self.steps + limit])
         self._tokens = torch.cat([self._tokens, self._tokens.new_full((b * w,), cfg.bos_id)])

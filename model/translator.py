@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from model.data import pad
-from model.decoding import Decoded, DecodeSession, DecodingOptions, Finished, Hypothesis, collect
+from model.decoding import Decoded, DecodeSession, DecodingOptions, Finished, Hypothesis, collect, decode_stream
 from model.tokenizer import Tokenizer
 from model.transformer import AttentionMaps, Transformer
 
@@ -50,14 +50,23 @@ class AttentionResult:
     cross: torch.Tensor
 
 
+def source_batch(model: Transformer, batch: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Source ids without specials -> (B, S) padded ids ending with EOS, on the model's device."""
+    cfg = model.config
+    limit = cfg.max_positions - 1
+    too_long = [len(ids) for ids in batch if len(ids) > limit]
+    if too_long:
+        raise ValueError(f"source of {max(too_long)} tokens exceeds {limit}")
+    return pad([[*ids, cfg.eos_id] for ids in batch], cfg.pad_id).to(next(model.parameters()).device)
+
+
 class IdsSession:
     """A ``DecodeSession`` fed source ids without specials: it adds EOS, pads, and moves them
     to the model's device. The service's scheduler drives one per set of decoding options."""
 
     def __init__(self, model: Transformer, options: DecodingOptions) -> None:
         self.session = DecodeSession(model, options)
-        self.config = model.config
-        self.device = next(model.parameters()).device
+        self.model = model
 
     @property
     def active(self) -> int:
@@ -69,12 +78,7 @@ class IdsSession:
 
     def admit(self, batch: Sequence[Sequence[int]], tags: Sequence[int]) -> None:
         """Sentences (ids, no specials) join; they are returned by ``step`` under their tags."""
-        limit = self.config.max_positions - 1
-        too_long = [len(ids) for ids in batch if len(ids) > limit]
-        if too_long:
-            raise ValueError(f"source of {max(too_long)} tokens exceeds {limit}")
-        src = pad([[*ids, self.config.eos_id] for ids in batch], self.config.pad_id).to(self.device)
-        self.session.admit(src, tags)
+        self.session.admit(source_batch(self.model, batch), tags)
 
     def step(self) -> list[Finished]:
         """One decoder step of every active sentence -> those done at it."""
@@ -112,11 +116,7 @@ class Translator:
 
     def decode_stream(self, batch: Sequence[Sequence[int]], options: DecodingOptions) -> Iterator[Finished]:
         """Decode one batch; each sentence (its index in ``batch``) as soon as it is done."""
-        session = self.open_session(options)
-        if batch:
-            session.admit(batch, range(len(batch)))
-        while session.active:
-            yield from session.step()
+        return decode_stream(self.model, source_batch(self.model, batch), options)
 
     def open_session(self, options: DecodingOptions) -> IdsSession:
         """A running batch that sentences can join between steps (continuous batching)."""
