@@ -23,11 +23,14 @@ log = logging.getLogger(__name__)
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Start loading the models in the background (so /health and /ready answer at once);
+    """Check that the settings can run here (device, dtype, weights folder: an error exits the
+    server with its message), then start loading the models in the background (so /health and
+    /ready answer at once);
     on shutdown, let the batchers finish what was accepted. The loader is a thread of its own
     that ends after loading, not one of asyncio's executor threads, which live on (with the
     OpenMP pool of whatever torch work they did; see ``BatchScheduler.start``)."""
     state: AppState = app.state.translator
+    state.check()  # a setting this machine cannot run fails start-up here, before serving anything
     loader = threading.Thread(target=state.load, name="loader", daemon=True)
     loader.start()
     yield

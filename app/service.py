@@ -19,8 +19,9 @@ from app.errors import ApiError
 from app.metrics import Metrics
 from app.segmentation import Segment, rejoin, segment, sentences
 from app.settings import Settings
-from model import checkpoint
+from model import checkpoint, kernels
 from model.decoding import DecodingOptions, Hypothesis
+from model.kernels import KernelPlan
 from model.translator import AttentionResult, Translator
 
 log = logging.getLogger(__name__)
@@ -52,10 +53,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_precision(name: str, device: torch.device) -> str:
+    """The ``TRANSLATOR_DTYPE`` setting -> a precision of ``model.kernels`` (auto: float16 on
+    CUDA, float32 on the CPU)."""
     if name == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+        return "float16" if device.type == "cuda" else "float32"
+    return name
+
+
+def kernel_plan(settings: Settings) -> KernelPlan:
+    """What the settings ask for, checked against this machine before anything is loaded:
+    raises ``RuntimeError`` or ``UnsupportedPrecision`` naming the setting."""
+    device = resolve_device(settings.device)
+    return kernels.choose(device, resolve_precision(settings.dtype, device))
 
 
 class TranslationService:
@@ -63,8 +73,9 @@ class TranslationService:
 
     def __init__(self, path: Path, settings: Settings, metrics: Metrics) -> None:
         self.device = resolve_device(settings.device)
-        self.dtype = resolve_dtype(settings.dtype, self.device)
-        ckpt = checkpoint.load(path, self.device, self.dtype)
+        self.precision = resolve_precision(settings.dtype, self.device)
+        ckpt = checkpoint.load(path, self.device, self.precision)
+        self.plan = ckpt.plan
         self.meta, self.path = ckpt.meta, path
         self.source, self.target = str(ckpt.meta["source_lang"]), str(ckpt.meta["target_lang"])
         self.direction = f"{self.source}-{self.target}"
@@ -74,14 +85,14 @@ class TranslationService:
             settings.max_batch_sentences, settings.max_batch_tokens, settings.max_wait_ms / 1000, settings.queue_size
         )
         self.scheduler = BatchScheduler(self.translator.open_session, limits, metrics, self.direction)
-        self._cache: OrderedDict[tuple[str, DecodingOptions], list[Hypothesis]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, DecodingOptions], list[Hypothesis]] = OrderedDict()
         self.quality = _read_metrics(path)
 
     def start(self) -> None:
         self.scheduler.start(warm_up=self.warm_up)
         for family in (self.metrics.decode_steps, self.metrics.source_tokens, self.metrics.target_tokens):
             family.labels(self.direction)  # the series exist (at 0) before the first request
-        self.metrics.model_info.labels(self.direction, self.device.type, str(self.dtype).removeprefix("torch.")).set(1)
+        self.metrics.model_info.labels(self.direction, self.device.type, self.precision).set(1)
 
     def warm_up(self) -> None:
         """Run greedy and beam decoding once so the first request pays no one-time costs."""
@@ -159,7 +170,7 @@ class TranslationService:
     def _cache_get(self, sentence: str, options: DecodingOptions) -> list[Hypothesis] | None:
         if self.settings.cache_size == 0:
             return None
-        key = (sentence, options)
+        key = (self.precision, sentence, options)  # int8 and float32 results never mix
         hit = self._cache.get(key)
         if hit is None:
             self.metrics.cache_misses.inc()
@@ -171,8 +182,9 @@ class TranslationService:
     def _cache_put(self, sentence: str, options: DecodingOptions, hyps: list[Hypothesis]) -> None:
         if self.settings.cache_size == 0:
             return
-        self._cache[(sentence, options)] = hyps
-        self._cache.move_to_end((sentence, options))
+        key = (self.precision, sentence, options)
+        self._cache[key] = hyps
+        self._cache.move_to_end(key)
         while len(self._cache) > self.settings.cache_size:
             self._cache.popitem(last=False)
 
@@ -204,7 +216,9 @@ class TranslationService:
             "n_encoder_layers": cfg.encoder_layers,
             "n_heads": cfg.n_heads,
             "device": self.device.type,
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": self.precision,
+            "kernel": self.plan.kernel,
+            "cpu_isa": self.plan.isa if self.device.type == "cpu" else None,
             "max_source_tokens": self.translator.max_source_tokens,
             "recommended_decoding": self.meta.get("decoding", {}),
             "quality": self.quality,

@@ -16,8 +16,8 @@ class Settings(BaseSettings):
 
     weights_dir: Path = Field(Path("weights"), description="folder with one checkpoint folder per direction")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="auto: float16 on CUDA, float32 on CPU"
+    dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = Field(
+        "auto", description="auto: float16 on CUDA, float32 on CPU; int8: CPU only (needs AVX2)"
     )
     threads: int = Field(0, ge=0, description="torch CPU threads (0: torch's default)")
     host: str = "0.0.0.0"

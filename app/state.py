@@ -9,7 +9,7 @@ import torch
 
 from app.errors import ApiError
 from app.metrics import Metrics
-from app.service import TranslationService, discover
+from app.service import TranslationService, discover, kernel_plan
 from app.settings import Settings
 from model.allocator import tune_malloc
 
@@ -27,6 +27,12 @@ class AppState:
         self.load_error: str | None = None
         self.draining = False
 
+    def check(self) -> None:
+        """Refuse settings this machine cannot run (CUDA without a GPU, int8 without AVX2, no
+        weights), with a message naming the setting; a slow precision is logged once."""
+        kernel_plan(self.settings)
+        discover(self.settings.weights_dir)
+
     def load(self) -> None:
         """Load and warm up every checkpoint under the weights folder; then become ready."""
         try:
@@ -37,7 +43,7 @@ class AppState:
                 service = TranslationService(path, self.settings, self.metrics)
                 service.start()
                 self.services[(service.source, service.target)] = service
-                log.info("serving %s from %s on %s (%s)", service.direction, path, service.device, service.dtype)
+                log.info("serving %s from %s: %s", service.direction, path, service.plan.describe())
             self.ready.set()
         except Exception as err:
             self.load_error = f"{type(err).__name__}: {err}"

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    ckpt = checkpoint.load(args.weights, torch.device("cpu"), torch.float32)
+    ckpt = checkpoint.load(args.weights, "cpu", "float32")
     translator = Translator(ckpt.model, ckpt.tokenizer)
     texts = read_lines(args.data_dir / "test_2016_flickr.de.gz")
     texts = texts[: args.limit] if args.limit else texts

@@ -81,7 +81,7 @@ from typing import Any, TypeVar
 import torch
 
 from bench import naive
-from model import checkpoint
+from model import checkpoint, kernels
 from model.allocator import tune_malloc
 from model.checkpoint import Checkpoint
 from model.data import pad, read_lines
@@ -95,7 +95,6 @@ DATA = ROOT.parent / "shared" / "data" / "multi30k"
 SYSTEMS = ("ours", "ctranslate2", "ctranslate2-int8", "marian", "naive", "ours-single")
 DEFAULT_SYSTEMS = "ours,ctranslate2,ctranslate2-int8,marian,naive"
 UNBATCHED = ("naive", "ours-single")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -147,6 +146,16 @@ class PeakMemory:
             return (torch.cuda.max_memory_allocated() - (self.baseline or 0)) / 2**20 if self.tracks_torch else None
         peak = _status_kib("VmHWM")
         return None if peak is None or self.baseline is None else (peak - self.baseline) / 1024
+
+
+def cpu_name() -> str | None:
+    """The CPU's model name, as lscpu shows it (None off Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+    return match.group(1).strip() if match else None
 
 
 def greedy(options: DecodingOptions) -> DecodingOptions:
@@ -222,8 +231,8 @@ def setup_ctranslate2(ckpt: Checkpoint, settings: Settings, folder: Path, int8: 
     from bench.ctranslate2_convert import build_spec, write
 
     write(build_spec(ckpt.model, ckpt.tokenizer), folder)
-    compute_type = settings.dtype
-    if int8:
+    compute_type = settings.dtype  # ctranslate2 with --dtype int8 is CTranslate2's int8 too
+    if int8 and settings.dtype != "int8":
         compute_type = "int8" if settings.dtype == "float32" else f"int8_{settings.dtype}"
     model = ctranslate2.Translator(
         str(folder), device=settings.device, compute_type=compute_type, inter_threads=1, intra_threads=settings.threads
@@ -255,7 +264,7 @@ def setup_marian(ckpt: Checkpoint, settings: Settings) -> Translate:
     from bench.marian_convert import to_marian
 
     marian: Any = to_marian(ckpt.model)  # transformers' typing of .to() confuses mypy
-    marian.to(settings.device, DTYPES[settings.dtype])
+    marian.to(settings.device, kernels.FLOAT_DTYPES[settings.dtype])
     cfg, tokenizer, options, device = ckpt.config, ckpt.tokenizer, settings.options, torch.device(settings.device)
     beam: dict[str, Any] = {}
     if options.beam_size > 1:  # generate's default early_stopping=False is ours' stopping rule
@@ -297,8 +306,10 @@ def setup(system: str, settings: Settings, workdir: Path) -> Translate:
         cpu = checkpoint.load(settings.weights, "cpu")
         return setup_ctranslate2(cpu, settings, workdir / system, int8=system.endswith("int8"))
     if system == "marian":
+        if settings.dtype not in kernels.FLOAT_DTYPES:
+            raise ValueError(f"marian runs float dtypes only, not {settings.dtype}")
         return setup_marian(checkpoint.load(settings.weights, "cpu"), settings)
-    ckpt = checkpoint.load(settings.weights, settings.device, DTYPES[settings.dtype])
+    ckpt = checkpoint.load(settings.weights, settings.device, settings.dtype)
     if system == "ours":
         return setup_ours(ckpt, settings.batch_size, settings.options)
     if system == "ours-single":
@@ -342,6 +353,8 @@ def measure(
         "batch_size": 1 if unbatched else settings.batch_size,
         "threads": settings.threads,
         "dtype": settings.dtype,
+        "cpu": cpu_name(),
+        "isa": kernels.detected().isa if settings.device == "cpu" else None,
         "runs_s": [round(r, 3) for r in runs],
     }
 
@@ -389,7 +402,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads per system")
     parser.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
     parser.add_argument("--naive-limit", type=int, default=100, help="sentences for naive and ours-single")
-    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="weights/compute dtype")
+    parser.add_argument(
+        "--dtype", default="float32", choices=kernels.PRECISIONS, help="precision of ours and ctranslate2 (int8: CPU)"
+    )
     parser.add_argument("--warmup", type=int, default=16, help="sentences translated before timing")
     parser.add_argument("--repeat", type=int, default=3, help="timed passes per system; the median is reported")
     parser.add_argument("--data-dir", type=Path, default=DATA, help="folder with test_2016_flickr.{de,en}.gz")

@@ -16,7 +16,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from model import kernels
 from model.config import ModelConfig
+from model.kernels import KernelPlan
 from model.tokenizer import Tokenizer, TokenizerError
 from model.transformer import Transformer
 
@@ -38,6 +40,7 @@ class Checkpoint:
     tokenizer: Tokenizer
     meta: dict[str, Any]
     path: Path
+    plan: KernelPlan
 
     @property
     def config(self) -> ModelConfig:
@@ -102,8 +105,17 @@ def model_config(meta: dict[str, Any], where: Path) -> ModelConfig:
         raise CheckpointError(f"{where / CONFIG}: {err}") from err
 
 
-def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load and validate a checkpoint folder onto ``device`` in ``dtype`` (eval mode)."""
+def load(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    precision: str = "float32",
+    features: kernels.CpuFeatures | None = None,
+) -> Checkpoint:
+    """Load and validate a checkpoint folder onto ``device`` for inference at ``precision``
+    (float32, bfloat16, float16 or int8; eval mode), with the linear kernels ``kernels.choose``
+    picks for it and this CPU (or ``features``). Raises ``kernels.UnsupportedPrecision`` before
+    reading anything when the precision cannot run here."""
+    plan = kernels.choose(device, precision, features)
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint folder not found")
@@ -119,9 +131,10 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
         )
     model = Transformer(config)
     load_weights(model, path / WEIGHTS)
-    model.to(device=device, dtype=dtype).eval()
-    log.info("loaded %s (%d parameters) on %s as %s", path, model.num_parameters(), device, dtype)
-    return Checkpoint(model, tokenizer, meta, path)
+    model.to(device=device, dtype=plan.dtype).eval()
+    kernels.install(model, plan)
+    log.info("loaded %s (%d parameters): %s", path, model.num_parameters(), plan.describe())
+    return Checkpoint(model, tokenizer, meta, path, plan)
 
 
 def load_weights(model: Transformer, file: Path) -> None:

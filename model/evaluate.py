@@ -1,9 +1,10 @@
 """Score a checkpoint on a test set with sacreBLEU.
 
     python -m model.evaluate --weights weights/de-en --src FILE --ref FILE \
-        [--beam-size N] [--batch-size N] [--device D] [--limit N] [--threads N]
+        [--beam-size N] [--batch-size N] [--device D] [--dtype P] [--limit N] [--threads N]
 
-prints one JSON line: bleu (cased, 13a), bleu_lc (lowercased), chrf, sentences, seconds.
+prints one JSON line: bleu (cased, 13a), bleu_lc (lowercased), chrf, sentences, seconds,
+beam_size, dtype and the linear kernel that ran (``model.kernels``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import sacrebleu
 import torch
 
-from model import checkpoint
+from model import checkpoint, kernels
 from model.allocator import tune_malloc
 from model.data import read_lines, read_parallel, split_file
 from model.decoding import DecodingOptions
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--beam-size", type=int, help="default: the model card's")
     parser.add_argument("--batch-size", type=int, default=64, help="sentences per batch (approx.)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=kernels.PRECISIONS, help="inference precision")
     parser.add_argument("--limit", type=int, help="only the first N sentences")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = parser.parse_args(argv)
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     tune_malloc()
-    ckpt = checkpoint.load(args.weights, args.device)
+    ckpt = checkpoint.load(args.weights, args.device, args.dtype)
     src, ref = read_lines(args.src), read_lines(args.ref)
     if args.limit:
         src, ref = src[: args.limit], ref[: args.limit]
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         recommended_options(ckpt.meta, args.beam_size),
         args.batch_size,
     )
-    print(json.dumps(result))
+    print(json.dumps({**result, "dtype": args.dtype, "kernel": ckpt.plan.kernel}))
 
 
 if __name__ == "__main__":

@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import kernels
 from model.attention import CrossAttention, SelfAttention
 from model.cache import KVCache, LayerCache
 from model.config import ModelConfig
+from model.kernels import LinearKernel
 from model.linear import Linear, linear
 from model.masks import padding_mask
 
@@ -173,6 +175,8 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
     """Encoder-decoder Transformer; see ``ModelConfig`` for the switches."""
 
+    kernel: LinearKernel = staticmethod(kernels.auto)  # the output projection's
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -233,7 +237,7 @@ class Transformer(nn.Module):
         """h: (..., D) -> (..., V)."""
         if self.decoder_norm is not None:
             h = self.decoder_norm(h)
-        return linear(h, self.output_matrix())
+        return linear(h, self.output_matrix(), None, self.kernel)
 
     def project_memory(self, memory: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """memory (B, S, D) -> every decoder layer's cross-attention K, V, each (B, H, S, Dh)."""

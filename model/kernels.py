@@ -1,0 +1,312 @@
+"""Which kernels run the linear layers: decided once, here, from the CPU's reported features.
+
+Every linear layer of the network (and the output projection) calls ``model.linear.linear``
+with the ``LinearKernel`` that ``install`` gave the model; the network modules never look at
+CPU flags. ``choose`` maps (device, precision, CPU features) to a ``KernelPlan``:
+
+| precision | CPU has | kernel | why |
+| --- | --- | --- | --- |
+| float32 | AVX2 (x86) | ``onednn`` | oneDNN matmul on weights packed once: 2-3x MKL's sgemm at 4-256 rows |
+| float32 | no AVX2 | ``aten`` | ``F.linear``; torch's oneDNN weight packing is only trusted on x86 |
+| bfloat16 | AVX-512 BW/VL/DQ or AVX-NE-CONVERT | ``onednn`` | what torch's oneDNN bf16 reorder requires |
+| bfloat16 | less | ``aten`` | works, slowly; logged once at load |
+| float16 | any | ``aten`` | torch has no fast fp16 CPU GEMM (6.3x slower than fp32); logged |
+| int8 | AVX2 and fbgemm | ``fbgemm-int8`` | weights int8 per output channel, activations quantized per call |
+| int8 | no AVX2 | refused | fbgemm needs AVX2; ``UnsupportedPrecision`` names the setting |
+
+On CUDA every precision but int8 uses ``F.linear`` (cuBLAS); int8 there is refused.
+
+Features come from /proc/cpuinfo (the hardware, which is what torch's own checks read),
+narrowed by the ISA caps users set for the libraries (``ONEDNN_MAX_CPU_ISA``,
+``ATEN_CPU_CAPABILITY``), so a capped run also takes the capped path. Tests build
+``CpuFeatures`` by hand to drive every row of the table on any machine.
+
+Measured per-call times behind the choices: docs/benchmarks.md "Linear kernels".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import astuple, dataclass, replace
+from functools import cache
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+Precision = Literal["float32", "bfloat16", "float16", "int8"]
+PRECISIONS: tuple[Precision, ...] = ("float32", "bfloat16", "float16", "int8")
+FLOAT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# At one row (greedy search of one sentence) ``F.linear`` beat the packed oneDNN call for
+# the layers up to 1,024 outputs (4.7 against 17 us at 256x256), and lost for the
+# 8,000-way output projection (127 against 65 us): docs/benchmarks.md "Linear kernels".
+ATEN_MAX_ROWS = 1
+ATEN_MAX_OUT = 4096
+
+
+class UnsupportedPrecision(ValueError):
+    """The requested precision cannot run on this device or CPU."""
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """The x86 features the kernel choice depends on (all False off x86)."""
+
+    avx2: bool = False
+    fma: bool = False
+    avx512: bool = False  # AVX-512 F, BW, VL and DQ: oneDNN's "avx512_core"
+    avx512_bf16: bool = False
+    avx_ne_convert: bool = False
+    avx512_vnni: bool = False
+
+    @classmethod
+    def from_flags(cls, flags: Iterable[str]) -> CpuFeatures:
+        """From /proc/cpuinfo's flag names."""
+        f = set(flags)
+        return cls(
+            avx2="avx2" in f,
+            fma="fma" in f,
+            avx512={"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= f,
+            avx512_bf16="avx512_bf16" in f,
+            avx_ne_convert="avx_ne_convert" in f,
+            avx512_vnni="avx512_vnni" in f,
+        )
+
+    @classmethod
+    def detect(cls, cpuinfo: Path = Path("/proc/cpuinfo"), env: dict[str, str] | None = None) -> CpuFeatures:
+        """This machine's features, narrowed by the libraries' ISA caps in ``env``."""
+        try:
+            text = cpuinfo.read_text()
+        except OSError:
+            text = ""
+        line = next((ln for ln in text.splitlines() if ln.startswith("flags")), None)
+        if line is not None:
+            features = cls.from_flags(line.split(":", 1)[1].split())
+        else:  # no /proc (macOS) or no x86 flags: ask torch, which reads cpuinfo itself
+            x86 = platform.machine().lower() in ("x86_64", "amd64")
+            features = cls(avx2=x86 and torch.cpu._is_avx2_supported(), fma=x86 and torch.cpu._is_avx2_supported())
+        return features.capped(os.environ if env is None else env)
+
+    def capped(self, env: dict[str, str] | os._Environ[str]) -> CpuFeatures:
+        """Drop what ``ONEDNN_MAX_CPU_ISA`` / ``ATEN_CPU_CAPABILITY`` forbid the libraries to use."""
+        onednn = env.get("ONEDNN_MAX_CPU_ISA", env.get("DNNL_MAX_CPU_ISA", "")).upper()
+        aten = env.get("ATEN_CPU_CAPABILITY", "").lower()
+        out = self
+        if onednn.startswith(("SSE", "AVX2", "AVX_")) or onednn == "AVX" or aten in ("avx2", "default"):
+            out = replace(out, avx512=False, avx512_bf16=False, avx512_vnni=False)
+            if not onednn.startswith("AVX2"):  # AVX2_VNNI_2 keeps AVX-NE-CONVERT
+                out = replace(out, avx_ne_convert=False)
+        if onednn.startswith("SSE") or onednn == "AVX" or aten == "default":
+            out = replace(out, avx2=False, fma=False)
+        return out
+
+    def __and__(self, other: CpuFeatures) -> CpuFeatures:
+        """What both have (a simulated CPU no larger than this one, say)."""
+        return CpuFeatures(*(a and b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    @property
+    def isa(self) -> str:
+        """A short name for reports: avx512-bf16, avx512, avx2 or baseline."""
+        if self.avx512:
+            return "avx512-bf16" if self.avx512_bf16 else "avx512"
+        return "avx2" if self.avx2 else "baseline"
+
+
+AVX512_BF16 = CpuFeatures(True, True, True, True, False, True)  # e.g. AMD Zen 4/5
+AVX2_ONLY = CpuFeatures(avx2=True, fma=True)  # e.g. AMD EPYC Naples (Zen 1), Intel Haswell
+BASELINE = CpuFeatures()  # no AVX2: old x86, or another architecture
+
+
+@cache
+def detected() -> CpuFeatures:
+    """This process's CPU features (read once)."""
+    return CpuFeatures.detect()
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """What runs the linear layers of one model: ``kernel`` on ``dtype`` parameters."""
+
+    device: str
+    precision: Precision
+    dtype: torch.dtype  # of the parameters (int8 keeps float32 masters; the kernel packs int8 copies)
+    kernel: Literal["onednn", "aten", "fbgemm-int8"]
+    isa: str
+    reduce_range: bool = False  # int8: 7-bit activations, so AVX2's 16-bit accumulation cannot saturate
+    warning: str | None = None  # logged once when the plan is installed
+
+    def describe(self) -> str:
+        return f"{self.precision} on {self.device} via {self.kernel} ({self.isa})"
+
+
+def choose(
+    device: str | torch.device,
+    precision: str,
+    features: CpuFeatures | None = None,
+    engines: Iterable[str] | None = None,
+) -> KernelPlan:
+    """The kernel plan for ``precision`` on ``device`` (see the module's table).
+
+    ``features`` and ``engines`` (torch's quantized engines) default to this machine's.
+    Raises ``UnsupportedPrecision`` naming ``TRANSLATOR_DTYPE`` when it cannot run at all.
+    """
+    dev = torch.device(device).type
+    if precision not in PRECISIONS:
+        raise UnsupportedPrecision(f"TRANSLATOR_DTYPE={precision} is not one of {', '.join(PRECISIONS)}")
+    if dev != "cpu":
+        if precision == "int8":
+            raise UnsupportedPrecision(
+                "TRANSLATOR_DTYPE=int8 runs on the CPU only (fbgemm); on CUDA use float16 or bfloat16"
+            )
+        return KernelPlan(dev, precision, FLOAT_DTYPES[precision], "aten", dev)
+    f = features if features is not None else detected()
+    onednn = torch.backends.mkldnn.is_available() and f.avx2
+    if precision == "int8":
+        engines = tuple(torch.backends.quantized.supported_engines if engines is None else engines)
+        if not f.avx2 or "fbgemm" not in engines:
+            raise UnsupportedPrecision(
+                f"TRANSLATOR_DTYPE=int8 needs an x86 CPU with AVX2 and torch's fbgemm engine "
+                f"(this CPU: {f.isa}; engines: {', '.join(engines) or 'none'}); use float32"
+            )
+        return KernelPlan("cpu", "int8", torch.float32, "fbgemm-int8", f.isa, reduce_range=not f.avx512_vnni)
+    if precision == "float32":
+        return KernelPlan("cpu", "float32", torch.float32, "onednn" if onednn else "aten", f.isa)
+    if precision == "bfloat16":
+        if onednn and (f.avx512 or f.avx_ne_convert):
+            slow = None if f.avx512_bf16 or f.avx_ne_convert else "bfloat16 is emulated on this CPU (no AVX512_BF16)"
+            return KernelPlan("cpu", "bfloat16", torch.bfloat16, "onednn", f.isa, warning=slow)
+        return KernelPlan(
+            "cpu", "bfloat16", torch.bfloat16, "aten", f.isa,
+            warning=f"TRANSLATOR_DTYPE=bfloat16 on a CPU without AVX-512 ({f.isa}) runs on a slow path; "
+            "float32 is faster here",
+        )  # fmt: skip
+    return KernelPlan(
+        "cpu", "float16", torch.float16, "aten", f.isa,
+        warning="TRANSLATOR_DTYPE=float16 on the CPU runs on a slow path (6.3x slower than float32 measured); "
+        "use float32 or int8",
+    )  # fmt: skip
+
+
+# --- kernels -------------------------------------------------------------------------------
+
+LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+class _Packed:
+    """Packed copies of parameters, made once per version of their values and dropped when
+    the parameter is freed (a WeakKeyDictionary would compare tensors with ==). An in-place
+    update (an optimizer step) bumps the version, and the copy is rebuilt."""
+
+    def __init__(self, pack: Callable[[torch.Tensor, torch.Tensor | None], object]) -> None:
+        self.pack = pack
+        self.entries: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, int], object]] = {}
+        self.lock = threading.Lock()
+
+    def get(self, weight: torch.Tensor, bias: torch.Tensor | None) -> object:
+        key, version = id(weight), (weight._version, -1 if bias is None else bias._version)
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is None or entry[0]() is not weight or entry[1] != version:
+                ref = weakref.ref(weight, lambda _: self.entries.pop(key, None))
+                entry = (ref, version, self.pack(weight.detach(), None if bias is None else bias.detach()))
+                self.entries[key] = entry
+            return entry[2]
+
+
+def aten(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+_onednn_packed = _Packed(lambda w, _: torch.ops.mkldnn._reorder_linear_weight(w))
+
+
+def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN matmul on a packed copy of a parameter; ``F.linear`` for one row of a small layer."""
+    if x.dtype != weight.dtype:  # F.linear's error for mixed dtypes
+        return F.linear(x, weight, bias)
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows <= ATEN_MAX_ROWS and weight.shape[0] <= ATEN_MAX_OUT:
+        return F.linear(x, weight, bias)
+    w = _onednn_packed.get(weight, None) if isinstance(weight, nn.Parameter) else weight
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+def _pack_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> object:
+    """(out, in) float weight -> fbgemm's packed int8 weight, symmetric per output channel."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).double()
+    zero = torch.zeros(w.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # torch deprecates quantized tensors; fbgemm's packing still takes them
+        warnings.simplefilter("ignore")
+        q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
+        with quantized_engine("fbgemm"):
+            return torch.ops.quantized.linear_prepack(q, None if bias is None else bias.float())
+
+
+_int8_packed = _Packed(_pack_int8)
+
+
+@contextmanager
+def quantized_engine(name: str) -> Iterator[None]:
+    """Select torch's quantized engine for a block (packing and running must agree)."""
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = before
+
+
+def int8(reduce_range: bool) -> LinearKernel:
+    """fbgemm's dynamic int8 linear: the input is quantized per call (one scale per tensor)."""
+
+    def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        packed = _int8_packed.get(weight, bias)
+        out: torch.Tensor = torch.ops.quantized.linear_dynamic(x.float().contiguous(), packed, reduce_range)
+        return out.to(x.dtype)
+
+    return run
+
+
+def kernel_for(plan: KernelPlan) -> LinearKernel:
+    if plan.kernel == "onednn":
+        return onednn
+    if plan.kernel == "fbgemm-int8":
+        torch.backends.quantized.engine = "fbgemm"  # linear_dynamic runs on the engine it was packed for
+        return int8(plan.reduce_range)
+    return aten
+
+
+def install(model: nn.Module, plan: KernelPlan) -> nn.Module:
+    """Give every layer of ``model`` that takes a kernel (``uses_kernel``) the plan's kernel."""
+    kernel = kernel_for(plan)
+    for module in model.modules():
+        if hasattr(module, "kernel"):
+            setattr(module, "kernel", kernel)  # noqa: B010 (nn.Module's __setattr__ types say Tensor | Module)
+    if plan.warning:
+        log.warning("%s", plan.warning)
+    log.info("linear kernels: %s", plan.describe())
+    return model
+
+
+@cache
+def _float_kernel(dtype: torch.dtype) -> LinearKernel:
+    name = next((n for n, d in FLOAT_DTYPES.items() if d == dtype), None)
+    return aten if name is None else kernel_for(choose("cpu", name))
+
+
+def auto(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What layers use before a plan is installed: this CPU's kernel for the input's float dtype."""
+    return _float_kernel(x.dtype)(x, weight, bias)

@@ -1,0 +1,60 @@
+"""Serving precisions: int8 served for real, and settings this machine cannot run refused at start-up."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from model import kernels
+from tests.helpers import ROOT, free_port, running_server
+
+DOC = {"source": "de", "target": "en"}
+
+
+def _serve_and_exit(env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "TRANSLATOR_HOST": "127.0.0.1", "TRANSLATOR_PORT": str(free_port()), **env}
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", "serve"], cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.skipif(not kernels.detected().avx2, reason="int8 needs AVX2; its refusal is tested below")
+def test_int8_is_served_and_reported(shipped: Path) -> None:
+    env = {"TRANSLATOR_WEIGHTS_DIR": str(shipped.parent), "TRANSLATOR_DTYPE": "int8", "TRANSLATOR_THREADS": "2"}
+    with running_server(env) as url:
+        reply = httpx.post(f"{url}/translate", json={"q": "Zwei Hunde spielen im Schnee.", **DOC}, timeout=60)
+        assert reply.status_code == 200 and "dogs" in reply.json()["translatedText"].lower()
+        info = httpx.get(f"{url}/info").json()["directions"][0]
+        assert info["dtype"] == "int8" and info["kernel"] == "fbgemm-int8"
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+        labels = [s.labels for s in families["translator_model_info"].samples]
+        assert labels == [{"direction": "de-en", "device": "cpu", "dtype": "int8"}]
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        # a CPU without AVX2, as the libraries' ISA cap presents it: fbgemm cannot run
+        ({"TRANSLATOR_DTYPE": "int8", "ONEDNN_MAX_CPU_ISA": "SSE41", "ATEN_CPU_CAPABILITY": "default"}, "AVX2"),
+        ({"TRANSLATOR_WEIGHTS_DIR": "/nonexistent/weights"}, "weights folder"),
+    ],
+)
+def test_settings_that_cannot_run_fail_start_up(shipped: Path, env: dict[str, str], message: str) -> None:
+    proc = _serve_and_exit({"TRANSLATOR_WEIGHTS_DIR": str(shipped.parent), **env})
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr
+    assert "TRANSLATOR_" in proc.stdout + proc.stderr or message == "weights folder"
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="this machine has a GPU: TRANSLATOR_DEVICE=cuda is valid"
+)
+def test_cuda_without_a_gpu_fails_start_up(shipped: Path) -> None:
+    proc = _serve_and_exit({"TRANSLATOR_WEIGHTS_DIR": str(shipped.parent), "TRANSLATOR_DEVICE": "cuda"})
+    assert proc.returncode != 0 and "TRANSLATOR_DEVICE=cuda" in proc.stdout + proc.stderr

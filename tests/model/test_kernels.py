@@ -1,0 +1,180 @@
+"""model.kernels and model.linear: the kernel path chosen from CPU features, and each kernel's results.
+
+Plans are built from simulated feature sets (an AVX2-only CPU, one without bf16, one without
+AVX2), whatever machine the tests run on; kernels are run only under features this machine
+really has (simulated & detected), so an AVX2-only CI machine runs the AVX2 paths for real.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import checkpoint, kernels
+from model.kernels import AVX2_ONLY, AVX512_BF16, BASELINE, CpuFeatures, UnsupportedPrecision
+from model.linear import Linear, linear
+
+HERE = kernels.detected()
+SIMULATED = {"avx512-bf16": AVX512_BF16, "avx512-no-bf16": CpuFeatures(True, True, True), "avx2": AVX2_ONLY,
+             "baseline": BASELINE}  # fmt: skip
+
+
+def test_features_come_from_cpuinfo_flags_and_respect_isa_caps(tmp_path: Path) -> None:
+    zen5 = "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni sse4_2"
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nflags\t\t: {zen5}\n\nprocessor\t: 1\nflags\t\t: {zen5}\n")
+    assert CpuFeatures.detect(info, env={}) == AVX512_BF16
+    assert CpuFeatures.detect(info, env={"ONEDNN_MAX_CPU_ISA": "AVX2"}) == AVX2_ONLY
+    assert CpuFeatures.detect(info, env={"ATEN_CPU_CAPABILITY": "avx2"}) == AVX2_ONLY
+    assert CpuFeatures.detect(info, env={"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}) == AVX512_BF16
+    assert CpuFeatures.detect(info, env={"ONEDNN_MAX_CPU_ISA": "SSE41"}) == BASELINE
+    info.write_text("flags\t: fpu sse sse2 avx avx2 fma\n")  # AMD EPYC Naples
+    assert CpuFeatures.detect(info, env={}) == AVX2_ONLY and AVX2_ONLY.isa == "avx2"
+    assert (AVX512_BF16 & AVX2_ONLY) == AVX2_ONLY
+
+
+@pytest.mark.parametrize(
+    ("cpu", "precision", "kernel", "warns"),
+    [
+        ("avx512-bf16", "float32", "onednn", False),
+        ("avx2", "float32", "onednn", False),
+        ("baseline", "float32", "aten", False),
+        ("avx512-bf16", "bfloat16", "onednn", False),
+        ("avx512-no-bf16", "bfloat16", "onednn", True),  # emulated by oneDNN: works, logged
+        ("avx2", "bfloat16", "aten", True),  # torch's oneDNN bf16 reorder would raise here
+        ("avx2", "float16", "aten", True),
+        ("avx512-bf16", "int8", "fbgemm-int8", False),
+        ("avx2", "int8", "fbgemm-int8", False),
+    ],
+)
+def test_plan_follows_the_capability_table(cpu: str, precision: str, kernel: str, warns: bool) -> None:
+    plan = kernels.choose("cpu", precision, SIMULATED[cpu], engines=("fbgemm", "qnnpack"))
+    if not torch.backends.mkldnn.is_available() and kernel == "onednn":
+        kernel = "aten"
+    assert plan.kernel == kernel and plan.precision == precision
+    assert (plan.warning is not None) == warns
+
+
+def test_int8_reduces_activation_range_without_vnni() -> None:
+    """fbgemm on AVX2 accumulates u8 x s8 pairs in 16 bits: 7-bit activations cannot saturate."""
+    engines = ("fbgemm",)
+    assert kernels.choose("cpu", "int8", AVX2_ONLY, engines).reduce_range
+    assert not kernels.choose("cpu", "int8", AVX512_BF16, engines).reduce_range
+
+
+@pytest.mark.parametrize(
+    ("device", "precision", "features", "engines", "message"),
+    [
+        ("cpu", "int8", BASELINE, ("fbgemm",), "AVX2"),
+        ("cpu", "int8", AVX2_ONLY, ("qnnpack",), "fbgemm"),
+        ("cuda", "int8", AVX2_ONLY, ("fbgemm",), "CPU only"),
+        ("cpu", "int4", AVX2_ONLY, ("fbgemm",), "not one of"),
+    ],
+)
+def test_impossible_precisions_are_refused_naming_the_setting(
+    device: str, precision: str, features: CpuFeatures, engines: tuple[str, ...], message: str
+) -> None:
+    with pytest.raises(UnsupportedPrecision, match=message) as err:
+        kernels.choose(device, precision, features, engines)
+    assert "TRANSLATOR_DTYPE" in str(err.value)
+
+
+def _runnable(precision: str) -> list[str]:
+    """Simulated CPUs whose plan for ``precision`` this machine can run."""
+    out = []
+    for name, features in SIMULATED.items():
+        try:
+            kernels.choose("cpu", precision, features & HERE)
+        except UnsupportedPrecision:
+            continue
+        out.append(name)
+    return out
+
+
+@pytest.mark.parametrize("cpu", _runnable("float32"))
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shape", [(5, 48), (1, 48), (3, 1, 48), (0, 48), (70, 48)])
+def test_float_kernels_match_f_linear(cpu: str, precision: str, shape: tuple[int, ...]) -> None:
+    plan = kernels.choose("cpu", precision, SIMULATED[cpu] & HERE)
+    torch.manual_seed(0)
+    layer = kernels.install(Linear(48, 70).to(plan.dtype), plan)
+    x = torch.randn(shape, dtype=plan.dtype)
+    with torch.inference_mode():
+        out = layer(x)
+        expected = F.linear(x, layer.weight, layer.bias)
+    assert out.shape == (*shape[:-1], 70) and out.dtype == plan.dtype
+    tol = 1e-5 if precision == "float32" else 2e-2
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("cpu", _runnable("int8"))
+def test_int8_kernel_is_close_to_float32(cpu: str) -> None:
+    plan = kernels.choose("cpu", "int8", SIMULATED[cpu] & HERE)
+    torch.manual_seed(0)
+    layer = kernels.install(Linear(256, 300), plan)
+    x = torch.randn(64, 256)
+    with torch.inference_mode():
+        out = layer(x)
+        expected = F.linear(x, layer.weight, layer.bias)
+    assert out.dtype == torch.float32 and out.shape == expected.shape
+    rel = (out - expected).norm() / expected.norm()
+    assert rel < 0.02, rel  # 8-bit weights and activations: ~1% relative error
+    assert not torch.equal(out, expected)  # it really ran in int8
+
+
+@pytest.mark.parametrize("precision", [p for p in ("float32", "int8") if _runnable(p)])
+def test_packed_copy_follows_in_place_updates_and_is_freed(precision: str) -> None:
+    plan = kernels.choose("cpu", precision)
+    cache = kernels._int8_packed if precision == "int8" else kernels._onednn_packed
+    torch.manual_seed(1)
+    layer = kernels.install(Linear(16, 8, bias=False), plan)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.mul_(-2.0)  # what an optimizer step does: in place, version bumped
+        after = layer(x)
+    tol = 1e-5 if precision == "float32" else 5e-2
+    torch.testing.assert_close(after, before * -2.0, atol=tol, rtol=tol)
+    if plan.kernel != "aten":
+        key = id(layer.weight)
+        assert key in cache.entries
+        del layer
+        gc.collect()
+        assert key not in cache.entries
+
+
+def test_training_path_has_gradients() -> None:
+    layer = kernels.install(Linear(6, 3), kernels.choose("cpu", "float32"))
+    x = torch.randn(2, 6, requires_grad=True)
+    layer(x).sum().backward()
+    assert layer.weight.grad is not None and x.grad is not None
+    torch.testing.assert_close(layer.weight.grad, torch.ones(3, 1) * x.detach().sum(0))
+    assert linear(x, layer.weight).requires_grad
+
+
+def test_autocast_regions_keep_f_linear_semantics() -> None:
+    """The trainer validates under CPU bf16 autocast with no gradients: inputs are cast as usual."""
+    torch.manual_seed(2)
+    first, second = Linear(16, 32), Linear(32, 8)
+    x = torch.randn(3, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        h = first(x)
+        out = second(torch.relu(h))
+        expected = F.linear(torch.relu(F.linear(x, first.weight, first.bias)), second.weight, second.bias)
+    assert h.dtype == out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected)
+    with torch.no_grad(), pytest.raises(RuntimeError):  # mixed dtypes, no autocast: F.linear's error
+        second(h)
+
+
+def test_load_installs_the_plan_and_refuses_before_reading(tiny_weights_dir: Path, tmp_path: Path) -> None:
+    folder = tiny_weights_dir / "de-en"
+    ckpt = checkpoint.load(folder, "cpu", "bfloat16", AVX2_ONLY & HERE)
+    assert ckpt.plan.kernel == "aten" and ckpt.model.output_matrix().dtype == torch.bfloat16
+    assert all(m.kernel is kernels.aten for m in ckpt.model.modules() if isinstance(m, Linear))
+    with pytest.raises(UnsupportedPrecision):
+        checkpoint.load(tmp_path / "does-not-exist", "cpu", "int8", BASELINE)
