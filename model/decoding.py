@@ -209,7 +209,11 @@ class _Beams:
         """
         a, w, vocab = logits.shape
         k = self.k
-        logp, tok = top_k(torch.log_softmax(logits, dim=-1).view(a * w, vocab), k)
+        rows = logits.view(a * w, vocab)
+        # log_softmax keeps each row's order: rank the logits, normalize only the k chosen
+        # (one read of the row for logsumexp instead of writing a log-probability row)
+        best, tok = top_k(rows, k)
+        logp = best - torch.logsumexp(rows, dim=-1, keepdim=True)
         if k == 1:  # greedy: no hypothesis is finished yet (a sentence leaves the step it ends)
             self.scores = self.scores + logp
             self.length = (step + 1)[:, None]

@@ -201,7 +201,8 @@ def choose(
 
 # --- kernels -------------------------------------------------------------------------------
 
-LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (x, weight, bias, relu) -> relu(x @ weight.T + bias) if relu else x @ weight.T + bias
+LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor]
 
 
 class _Packed:
@@ -225,22 +226,22 @@ class _Packed:
             return entry[2]
 
 
-def aten(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+def aten(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
+    out = F.linear(x, weight, bias)
+    return out.relu_() if relu else out
 
 
 _onednn_packed = _Packed(lambda w, _: torch.ops.mkldnn._reorder_linear_weight(w))
 
 
-def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN matmul on a packed copy of a parameter; ``F.linear`` for one row of a small layer."""
-    if x.dtype != weight.dtype:  # F.linear's error for mixed dtypes
-        return F.linear(x, weight, bias)
+def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
+    """oneDNN matmul on a packed copy of a parameter, ReLU fused as a post-op; ``F.linear``
+    for one row of a small layer (and for mixed dtypes, to raise ``F.linear``'s error)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows <= ATEN_MAX_ROWS and weight.shape[0] <= ATEN_MAX_OUT:
-        return F.linear(x, weight, bias)
+    if x.dtype != weight.dtype or (rows <= ATEN_MAX_ROWS and weight.shape[0] <= ATEN_MAX_OUT):
+        return aten(x, weight, bias, relu)
     w = _onednn_packed.get(weight, None) if isinstance(weight, nn.Parameter) else weight
-    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "relu" if relu else "none", [], "")
 
 
 def _pack_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> object:
@@ -272,9 +273,10 @@ def quantized_engine(name: str) -> Iterator[None]:
 def int8(reduce_range: bool) -> LinearKernel:
     """fbgemm's dynamic int8 linear: the input is quantized per call (one scale per tensor)."""
 
-    def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
         packed = _int8_packed.get(weight, bias)
-        out: torch.Tensor = torch.ops.quantized.linear_dynamic(x.float().contiguous(), packed, reduce_range)
+        op = torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic
+        out: torch.Tensor = op(x.float().contiguous(), packed, reduce_range)
         return out.to(x.dtype)
 
     return run
@@ -307,6 +309,6 @@ def _float_kernel(dtype: torch.dtype) -> LinearKernel:
     return aten if name is None else kernel_for(choose("cpu", name))
 
 
-def auto(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def auto(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
     """What layers use before a plan is installed: this CPU's kernel for the input's float dtype."""
-    return _float_kernel(x.dtype)(x, weight, bias)
+    return _float_kernel(x.dtype)(x, weight, bias, relu)

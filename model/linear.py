@@ -19,12 +19,18 @@ from model.kernels import LinearKernel
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: LinearKernel = kernels.auto
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    kernel: LinearKernel = kernels.auto,
+    relu: bool = False,
 ) -> torch.Tensor:
-    """x: (..., in), weight: (out, in), bias: (out,) | None -> (..., out), like ``F.linear``."""
+    """x: (..., in), weight: (out, in), bias: (out,) | None -> (..., out), like ``F.linear``
+    (followed by ReLU when ``relu``: the packed kernels fuse it)."""
     if x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu"):
-        return kernel(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return kernel(x, weight, bias, relu)
+    out = F.linear(x, weight, bias)
+    return F.relu(out) if relu else out
 
 
 class Linear(nn.Linear):
@@ -32,5 +38,5 @@ class Linear(nn.Linear):
 
     kernel: LinearKernel = staticmethod(kernels.auto)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.kernel)
+    def forward(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.kernel, relu)

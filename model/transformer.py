@@ -91,7 +91,7 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(config.activation_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.dropout(F.relu(self.fc1(x))))
+        return self.fc2(self.dropout(self.fc1(x, relu=True)))
 
 
 class Residual(nn.Module):

@@ -98,14 +98,16 @@ def _runnable(precision: str) -> list[str]:
 @pytest.mark.parametrize("cpu", _runnable("float32"))
 @pytest.mark.parametrize("precision", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("shape", [(5, 48), (1, 48), (3, 1, 48), (0, 48), (70, 48)])
-def test_float_kernels_match_f_linear(cpu: str, precision: str, shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("relu", [False, True])
+def test_float_kernels_match_f_linear(cpu: str, precision: str, shape: tuple[int, ...], relu: bool) -> None:
     plan = kernels.choose("cpu", precision, SIMULATED[cpu] & HERE)
     torch.manual_seed(0)
     layer = kernels.install(Linear(48, 70).to(plan.dtype), plan)
     x = torch.randn(shape, dtype=plan.dtype)
     with torch.inference_mode():
-        out = layer(x)
+        out = layer(x, relu=relu)
         expected = F.linear(x, layer.weight, layer.bias)
+        expected = F.relu(expected) if relu else expected
     assert out.shape == (*shape[:-1], 70) and out.dtype == plan.dtype
     tol = 1e-5 if precision == "float32" else 2e-2
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
@@ -120,6 +122,8 @@ def test_int8_kernel_is_close_to_float32(cpu: str) -> None:
     with torch.inference_mode():
         out = layer(x)
         expected = F.linear(x, layer.weight, layer.bias)
+        fused = layer(x, relu=True)
+    torch.testing.assert_close(fused, F.relu(out))
     assert out.dtype == torch.float32 and out.shape == expected.shape
     rel = (out - expected).norm() / expected.norm()
     assert rel < 0.02, rel  # 8-bit weights and activations: ~1% relative error
