@@ -10,7 +10,8 @@ sentence goes back to its request the step it is done. So the batch stays full u
 instead of thinning out as its sentences finish. Jobs with other options wait until the
 running batch drains (the oldest job always decides what runs next), and model calls
 (``call``) run between steps. Cancelled jobs (timeouts, disconnected clients) leave the
-queue at once and are never computed; a sentence already decoding runs to its end.
+queue at once and are never computed; a sentence already decoding leaves the running batch
+at its next step, so abandoned work does not hold up the requests still waiting.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,6 +44,8 @@ class Session(Protocol):
     def admit(self, batch: Sequence[Sequence[int]], tags: Sequence[int]) -> None: ...
 
     def step(self) -> list[Finished]: ...
+
+    def cancel(self, tags: Collection[int]) -> int: ...
 
 
 # Opens an empty running batch for one set of decoding options (``Translator.open_session``).
@@ -68,6 +71,7 @@ class Job:
     enqueued: float = field(default_factory=time.perf_counter)
     call: Callable[[], Any] | None = None
     started: float = 0.0
+    tag: int | None = None  # its name in the running batch, once admitted
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class BatchScheduler:
         self._session: Session | None = None  # the running batch (worker thread only)
         self._options: DecodingOptions | None = None  # its decoding options
         self._running: dict[int, Job] = {}  # its jobs by tag
+        self._cancelled: set[int] = set()  # tags of running jobs whose requests are gone
         self._tags = itertools.count()
         self._pending: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -148,15 +153,20 @@ class BatchScheduler:
         return job
 
     def cancel(self, jobs: Sequence[Job]) -> None:
-        """Withdraw jobs that are still queued (timeouts, disconnected clients)."""
+        """Withdraw jobs (timeouts, disconnected clients): queued ones leave the queue now,
+        decoding ones leave the running batch at its next step. Their futures may be
+        cancelled already (``asyncio.gather`` cancels its children when it is cancelled)."""
         with self._cond:
             for job in jobs:
                 if not job.future.done():
                     job.future.cancel()
+                if job.tag is not None:  # admitted: maybe decoding still (the worker checks)
+                    self._cancelled.add(job.tag)
             before = len(self._pending)
             self._pending = deque(j for j in self._pending if not j.future.done())
             if len(self._pending) != before:
                 self.metrics.queue_depth.dec(before - len(self._pending))
+                self.metrics.cancelled.labels("queued").inc(before - len(self._pending))
 
     def _enqueue(self, jobs: list[Job]) -> None:
         with self._cond:
@@ -266,7 +276,13 @@ class BatchScheduler:
         if self._session is None:
             assert self._options is not None
             self._session = self.open_session(self._options)
-        tags = [next(self._tags) for _ in jobs]
+        with self._cond:  # a job cancelled before it has a tag is dropped here, after it is in _cancelled
+            jobs = [job for job in jobs if not job.future.done()]
+            for job in jobs:
+                job.tag = next(self._tags)
+        if not jobs:
+            return
+        tags = [job.tag for job in jobs if job.tag is not None]
         self._running.update(zip(tags, jobs, strict=True))
         self._session.admit([job.ids for job in jobs], tags)
         self.metrics.source_tokens.labels(self.direction).inc(sum(len(job.ids) + 1 for job in jobs))
@@ -277,15 +293,22 @@ class BatchScheduler:
         session = self._session
         if session is None or not self._running:
             return
+        with self._cond:
+            cancelled, self._cancelled = self._cancelled, set()
+        if cancelled:
+            self.metrics.cancelled.labels("running").inc(session.cancel(cancelled))
         m, d = self.metrics, self.direction
         m.batch_sentences.observe(session.active)
         m.batch_tokens.observe(session.active * session.source_width)
         finished = session.step()
         m.decode_steps.labels(d).inc()
         for done in finished:
+            job = self._running.pop(done.index)
+            if job.future.cancelled():
+                continue
             best = done.hypotheses[0]
             m.target_tokens.labels(d).inc(len(best.ids) + int(best.finished))
-            _deliver(self._running.pop(done.index), done.hypotheses)
+            _deliver(job, done.hypotheses)
 
 
 def _deliver(job: Job, result: list[Hypothesis] | Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
@@ -31,7 +32,9 @@ def serve(argv: list[str]) -> None:
         host=settings.host,
         port=settings.port,
         log_config=None,
-        timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
+        # the app cuts requests off after the drain timeout itself (AppState.drain_on_signals);
+        # uvicorn's own limit is a backstop a second later
+        timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s) + 1,
     )
 
 

@@ -9,11 +9,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 
 from app import errors
-from app.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from app.middleware import BodyLimitMiddleware, JsonCorsMiddleware, RequestContextMiddleware
 from app.routes import STATIC, router
 from app.settings import Settings
 from app.state import AppState
@@ -31,6 +30,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     OpenMP pool of whatever torch work they did; see ``BatchScheduler.start``)."""
     state: AppState = app.state.translator
     state.check()  # a setting this machine cannot run fails start-up here, before serving anything
+    state.drain_on_signals(asyncio.get_running_loop())
     loader = threading.Thread(target=state.load, name="loader", daemon=True)
     loader.start()
     yield
@@ -56,7 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.mount("/static", StaticFiles(directory=STATIC), name="static")
     if settings.cors_origins:
         app.add_middleware(
-            CORSMiddleware,
+            JsonCorsMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST"],
             allow_headers=["*"],

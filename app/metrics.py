@@ -53,6 +53,14 @@ class Metrics:
         self.source_tokens = Counter("translator_source_tokens", "Source tokens translated", ["direction"], registry=r)
         self.target_tokens = Counter("translator_target_tokens", "Target tokens generated", ["direction"], registry=r)
         self.decode_steps = Counter("translator_decode_steps", "Decoder steps run", ["direction"], registry=r)
+        self.cancelled = Counter(
+            "translator_cancelled_sentences",
+            "Sentences whose request timed out or whose client left: withdrawn from the queue or the running batch",
+            ["stage"],
+            registry=r,
+        )
+        for stage in ("queued", "running"):
+            self.cancelled.labels(stage)  # both series exist (at 0) from start-up
         self.cache_hits = Counter("translator_cache_hits", "Sentences answered from the cache", registry=r)
         self.cache_misses = Counter("translator_cache_misses", "Sentences not in the cache", registry=r)
         self.model_info = Gauge(

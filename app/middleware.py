@@ -9,7 +9,10 @@ import time
 import uuid
 from contextvars import ContextVar
 
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.metrics import Metrics
@@ -73,6 +76,19 @@ class RequestContextMiddleware:
                 extra={"status": status, "duration_ms": round(elapsed * 1000, 2)},
             )
             request_id_var.reset(token)
+
+
+class JsonCorsMiddleware(CORSMiddleware):
+    """Starlette's CORS middleware, with a rejected preflight answered in the service's JSON
+    error shape instead of plain text."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code < 400:
+            return response
+        keep = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+        message = bytes(response.body).decode()
+        return JSONResponse({"error": message, "error_type": "cors_rejected"}, response.status_code, keep)
 
 
 class BodyLimitMiddleware:

@@ -47,8 +47,14 @@ def state_of(request: Request) -> AppState:
     return state
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    """JSON or form-encoded (as LibreTranslate clients send) -> a validated request model."""
+# JSON nested deeper than this is refused before validation walks it (no request needs more
+# than 3 levels; Python's recursion limit was reached at ~950 and answered 500).
+MAX_JSON_DEPTH = 32
+
+
+async def read_body(request: Request) -> dict[str, Any]:
+    """JSON or form-encoded (as LibreTranslate clients send) -> a dict of plain values, every
+    string valid Unicode and nesting at most ``MAX_JSON_DEPTH`` deep (else 400)."""
     raw = await request.body()
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     data: Any
@@ -63,22 +69,74 @@ async def parse_body(request: Request, model: type[M]) -> M:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ApiError(400, "invalid_json", f"body is not valid JSON: {err}") from None
+        except RecursionError:
+            raise ApiError(400, "invalid_json", f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
     else:
         raise ApiError(415, "unsupported_media_type", "send application/json or application/x-www-form-urlencoded")
+    check_json(data)
     if not isinstance(data, dict):
         raise ApiError(422, "validation_error", "the body must be a JSON object")
+    return data
+
+
+def check_json(data: Any) -> None:
+    """400 for nesting deeper than ``MAX_JSON_DEPTH`` or a string that is not valid Unicode
+    (a lone surrogate such as "\\ud800" is valid JSON, but cannot be encoded, tokenized or
+    answered). Iterative, so no input can exhaust the stack."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, "invalid_json", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, str):
+            check_unicode(value)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                check_unicode(key)
+                stack.append((item, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
+
+
+def check_unicode(text: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ApiError(
+                400, "invalid_unicode", f"a string holds {err.object[err.start]!r}, a lone surrogate: not Unicode text"
+            ) from None
+
+
+def validated(model: type[M], data: dict[str, Any]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as err:
         raise ApiError(422, "validation_error", describe_validation(list(err.errors()))) from None
 
 
-def check_api_key(request: Request, body_key: str | None, settings: Settings) -> None:
+async def authorized_body(request: Request, model: type[M], settings: Settings) -> M:
+    """The API key first (a header key before the body is read, a body key before the body is
+    validated, so nobody probes validation without a key), then the validated body."""
+    header_key = api_key_header(request)
+    if header_key is not None:
+        check_api_key(header_key, settings)
+    data = await read_body(request)
+    if header_key is None:
+        key = data.get("api_key")
+        check_api_key(key if isinstance(key, str) else None, settings)
+    return validated(model, data)
+
+
+def api_key_header(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    return request.headers.get("x-api-key") or (auth[7:] if auth.lower().startswith("bearer ") else None)
+
+
+def check_api_key(given: str | None, settings: Settings) -> None:
     """403 unless the key (X-API-Key, Bearer token or api_key field) is configured."""
     if not settings.api_keys:
         return
-    auth = request.headers.get("authorization", "")
-    given = request.headers.get("x-api-key") or (auth[7:] if auth.lower().startswith("bearer ") else None) or body_key
     if not given or not any(hmac.compare_digest(given.encode(), k.encode()) for k in settings.api_keys):
         raise ApiError(403, "forbidden", "missing or invalid API key")
 
@@ -115,8 +173,13 @@ def decoding_options(
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work``; if the client goes away first, cancel it (its queued sentences leave)."""
+    """Run ``work``; if the client goes away first, cancel it (its sentences leave the queue or
+    the running batch). Cancelled itself (the drain timeout), it answers 503."""
     task = asyncio.ensure_future(work)
+    requests = state_of(request).requests
+    current = asyncio.current_task()
+    if current is not None:
+        requests.add(current)
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -126,14 +189,16 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
-        # uvicorn cancels the requests still running when its graceful shutdown times out
-        # (TRANSLATOR_DRAIN_TIMEOUT_S): withdraw the work and answer 503, not uvicorn's 500.
+        # the drain timeout passed (AppState.cut_off, or uvicorn's graceful-shutdown timeout):
+        # withdraw the work and answer 503, not uvicorn's 500.
         task.cancel()
         raise ApiError(
             503, "shutting_down", "the service stopped before this request finished", {"Retry-After": "1"}
         ) from None
     finally:
         watcher.cancel()
+        if current is not None:
+            requests.discard(current)
     if not task.done():
         task.cancel()
         raise ApiError(499, "client_closed_request", "the client disconnected")
@@ -166,8 +231,7 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
 async def translate(request: Request) -> dict[str, Any]:
     """Translate a text or a list of texts (LibreTranslate-compatible)."""
     state = state_of(request)
-    body = await parse_body(request, TranslateRequest)
-    check_api_key(request, body.api_key, state.settings)
+    body = await authorized_body(request, TranslateRequest, state.settings)
     service = state.service(body.source, body.target)
     texts = [body.q] if isinstance(body.q, str) else body.q
     check_texts(texts, state.settings)
@@ -217,8 +281,7 @@ def item_details(service: TranslationService, item: ItemResult) -> dict[str, Any
 async def attention(request: Request) -> dict[str, Any]:
     """Translate one text and return per-layer, per-head attention maps of the translation."""
     state = state_of(request)
-    body = await parse_body(request, AttentionRequest)
-    check_api_key(request, body.api_key, state.settings)
+    body = await authorized_body(request, AttentionRequest, state.settings)
     service = state.service(body.source, body.target)
     check_texts([body.q], state.settings)
     cfg = service.translator.config
@@ -280,9 +343,12 @@ async def info(request: Request) -> dict[str, Any]:
 
 
 @router.get("/health")
-async def health() -> dict[str, str]:
-    """Liveness: the process answers."""
-    return {"status": "ok"}
+async def health(request: Request) -> JSONResponse:
+    """Liveness: 200 while the process can serve (or is still loading); 503 once loading the
+    models failed, so an orchestrator restarts it."""
+    if state_of(request).load_error:
+        return JSONResponse({"status": "unhealthy", "error": "models failed to load (see the server log)"}, 503)
+    return JSONResponse({"status": "ok"})
 
 
 @router.get("/ready", responses={503: {"model": ErrorResponse}})

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import threading
+from types import FrameType
 
 import torch
 
@@ -26,6 +29,7 @@ class AppState:
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.draining = False
+        self.requests: set[asyncio.Task[object]] = set()  # requests waiting on the model (routes add them)
 
     def check(self) -> None:
         """Refuse settings this machine cannot run (CUDA without a GPU, int8 without AVX2, no
@@ -46,8 +50,35 @@ class AppState:
                 log.info("serving %s from %s: %s", service.direction, path, service.plan.describe())
             self.ready.set()
         except Exception as err:
-            self.load_error = f"{type(err).__name__}: {err}"
+            self.load_error = type(err).__name__  # the message (with paths) goes to the log only
             log.exception("loading models failed")
+
+    def drain_on_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On SIGTERM/SIGINT, however the server was started (``translator serve``, ``uvicorn
+        app.main:app``, gunicorn's uvicorn workers): become not-ready at once (/ready 503, new
+        requests 503), and answer whatever still waits on the model 503 after the drain
+        timeout; then the server's own handler runs. Main thread only (where signals are)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(sig)
+
+            def on_signal(number: int, frame: FrameType | None, previous: object = previous) -> None:
+                if not self.draining:
+                    self.draining = True
+                    log.info("draining: up to %g s for accepted requests", self.settings.drain_timeout_s)
+                    loop.call_soon_threadsafe(loop.call_later, self.settings.drain_timeout_s, self.cut_off)
+                if callable(previous):
+                    previous(number, frame)
+
+            signal.signal(sig, on_signal)
+
+    def cut_off(self) -> None:
+        """The drain timeout passed: requests still waiting get 503 (see ``routes.until_disconnect``)."""
+        if self.requests:
+            log.warning("drain timeout: %d requests cut off", len(self.requests))
+        for task in list(self.requests):
+            task.cancel()
 
     def close(self) -> None:
         """Finish what is queued (bounded by the drain timeout), then stop the workers."""
@@ -68,5 +99,5 @@ class AppState:
         if self.draining:
             raise ApiError(503, "shutting_down", "the service is shutting down", {"Retry-After": "1"})
         if not self.ready.is_set():
-            message = f"models failed to load: {self.load_error}" if self.load_error else "models are loading"
+            message = "models failed to load (see the server log)" if self.load_error else "models are loading"
             raise ApiError(503, "not_ready", message, {"Retry-After": "2"})

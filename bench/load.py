@@ -1,7 +1,7 @@
 """Load benchmark of the real server: closed-loop clients sending one sentence per request.
 
     python -m bench.load [--concurrency 1,4,16,64] [--requests 512] [--batching on,off]
-                         [--weights weights] [--beam-size N] [--threads 2] [--rounds 1]
+                         [--weights weights] [--beam-size N] [--threads 2] [--rounds 1] [--offline]
 
 For each batching mode it starts ``translator serve`` as a separate process (batching
 off = at most one sentence per model batch; the translation cache is off in both), then
@@ -10,6 +10,9 @@ sentence as soon as its previous answer arrives, until ``--requests`` are done. 
 line per run: concurrency, batching, requests, rps, p50_ms, p95_ms, p99_ms, errors. With
 ``--rounds N`` the sweep runs N times (servers restarted, modes alternating) and each row is
 the round with the median requests/s, plus ``rounds_rps``: this machine drifts 10-20%.
+``--offline`` first decodes the same sentences offline (sorted batches of 64, the server's
+``TRANSLATOR_DTYPE``) and adds ``offline_sps`` and ``of_offline`` (rps / offline_sps) to every
+row: how close serving comes to the model's own batched throughput.
 The clients run in this process, on the same machine as the server, so they share its CPU:
 they speak HTTP/1.1 over keep-alive connections through asyncio streams (``Connection``),
 which cost ~0.13 ms of CPU per request where httpx's async client cost ~4.3 ms, about 40% of
@@ -54,6 +57,8 @@ class LoadResult:
     p99_ms: float
     errors: int
     beam_size: int
+    offline_sps: float | None = None  # the same model offline on the same sentences (``--offline``)
+    of_offline: float | None = None  # rps / offline_sps
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -185,6 +190,19 @@ def server(weights: Path, batching: bool, threads: int, port: int) -> Iterator[s
             proc.wait(60)
 
 
+def offline_throughput(weights: Path, data: Path, sentences: int, beam: int, threads: int) -> float:
+    """Sentences/s of the served model decoding the requests' sentences offline, in sorted
+    batches of 64 (``bench.decode``'s ``ours`` in a process of its own, the server's
+    ``TRANSLATOR_DTYPE`` as its precision)."""
+    folder = next(p for p in sorted(weights.iterdir()) if (p / "config.json").is_file())
+    dtype = os.environ.get("TRANSLATOR_DTYPE", "float32").replace("auto", "float32")
+    cmd = [sys.executable, "-m", "bench.decode", "--systems", "ours", "--no-isolate", "--weights", str(folder)]
+    cmd += ["--beam-size", str(beam), "--limit", str(sentences), "--threads", str(threads), "--dtype", dtype]
+    cmd += ["--data-dir", str(data)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return float(json.loads(out.splitlines()[-1])["sentences_per_s"])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated client counts")
@@ -198,11 +216,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--rounds", type=int, default=1, help="repeat the whole sweep; print each row's median-rps round"
     )
+    parser.add_argument(
+        "--offline", action="store_true", help="also decode the same sentences offline; rows get of_offline"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     sentences = read_lines(args.data / "test_2016_flickr.de.gz")
     levels = [int(c) for c in args.concurrency.split(",")]
     runs: dict[tuple[str, int], list[LoadResult]] = {}
+    offline = None
+    if args.offline:
+        n = min(args.requests, len(sentences))
+        offline = offline_throughput(args.weights, args.data, n, args.beam_size, args.threads)
     for _ in range(args.rounds):
         for mode in args.batching.split(","):
             with server(args.weights, mode == "on", args.threads, args.port) as url:
@@ -210,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
                 for concurrency in levels:
                     result = asyncio.run(closed_loop(url, sentences, concurrency, args.requests, args.beam_size))
                     result = replace(result, batching=mode)
+                    if offline:
+                        result = replace(result, offline_sps=offline, of_offline=round(result.rps / offline, 3))
                     runs.setdefault((mode, concurrency), []).append(result)
                     if args.rounds == 1:
                         print(json.dumps(asdict(result)), flush=True)

@@ -12,7 +12,7 @@ joined are masked out of its rows. ``decode_stream`` is a session given one batc
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -209,11 +209,7 @@ class _Beams:
         """
         a, w, vocab = logits.shape
         k = self.k
-        rows = logits.view(a * w, vocab)
-        # log_softmax keeps each row's order: rank the logits, normalize only the k chosen
-        # (one read of the row for logsumexp instead of writing a log-probability row)
-        best, tok = top_k(rows, k)
-        logp = best - torch.logsumexp(rows, dim=-1, keepdim=True)
+        logp, tok = top_k(torch.log_softmax(logits, dim=-1).view(a * w, vocab), k)
         if k == 1:  # greedy: no hypothesis is finished yet (a sentence leaves the step it ends)
             self.scores = self.scores + logp
             self.length = (step + 1)[:, None]
@@ -327,6 +323,17 @@ class DecodeSession:
         self._starts.extend([self.steps] * b)
         self._stops.extend((self.steps + limit).tolist())
         self._src_lengths.extend(src_lengths.tolist())
+
+    @torch.inference_mode()
+    def cancel(self, tags: Collection[int]) -> int:
+        """Cut these sentences at the next step: they leave the batch then (their rows freed),
+        returned as unfinished hypotheses that the caller drops. -> how many were active."""
+        rows = [i for i, tag in enumerate(self.tags) if tag in tags]
+        for i in rows:
+            self._stops[i] = min(self._stops[i], self.steps + 1)
+        if rows:
+            self._stop[rows] = self._stop[rows].clamp(max=self.steps + 1)
+        return len(rows)
 
     @torch.inference_mode()
     def step(self) -> list[Finished]:

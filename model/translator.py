@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +83,10 @@ class IdsSession:
     def step(self) -> list[Finished]:
         """One decoder step of every active sentence -> those done at it."""
         return self.session.step()
+
+    def cancel(self, tags: Collection[int]) -> int:
+        """Sentences that leave at the next step (their requests are gone)."""
+        return self.session.cancel(tags)
 
 
 class Translator:

@@ -214,11 +214,27 @@ def test_ready_is_503_until_models_are_loaded(tiny_weights_dir: Path) -> None:
     assert client.get("/health").status_code == 200
 
 
-def test_missing_weights_keep_ready_at_503(tmp_path: Path) -> None:
+def test_missing_weights_fail_start_up(tmp_path: Path) -> None:
+    with (
+        pytest.raises(RuntimeError, match="no checkpoint folders"),
+        TestClient(create_app(Settings(weights_dir=tmp_path))),
+    ):
+        pass
+
+
+def test_a_checkpoint_that_fails_to_load_is_unhealthy_and_names_no_path(tmp_path: Path) -> None:
+    (tmp_path / "de-en").mkdir()
+    (tmp_path / "de-en" / "config.json").write_text("{not json")
     with TestClient(create_app(Settings(weights_dir=tmp_path))) as client:
-        time.sleep(0.2)
-        body = assert_error(client.get("/ready"), 503, "not_ready")
-        assert "no checkpoint folders" in body["error"]
+        deadline = time.monotonic() + 10
+        while client.get("/health").status_code == 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+        ready = assert_error(client.get("/ready"), 503, "not_ready")
+        for reply in (health.text, ready["error"]):
+            assert str(tmp_path) not in reply and "config.json" not in reply
 
 
 def test_api_keys(tiny_weights_dir: Path) -> None:

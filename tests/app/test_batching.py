@@ -251,3 +251,49 @@ def test_decode_steps_count_model_steps_not_sentences() -> None:
     expected = max(steps_alone(SHORT, GREEDY), steps_alone([9, 10, 11], GREEDY))
     assert h.sample("translator_decode_steps_total") == expected
     assert torch.is_grad_enabled()  # the worker's inference mode did not leak
+
+
+MID = [*SHORT, 7, 8, 9]
+
+
+def test_cancelled_sentences_leave_the_running_batch_at_the_next_step() -> None:
+    """A request that gives up (timeout, disconnect) while its sentence decodes: the sentence
+    is cut at the next step, its answer dropped, and the batch goes on with the others."""
+
+    async def scenario(h: Harness) -> None:
+        gone, kept = h.scheduler.submit([LONG, MID], GREEDY)
+        session = await h.paused()
+        steps_before = session.session.steps
+        h.scheduler.cancel([gone])
+        session.release.set()
+        assert same(await result(kept), alone(MID, GREEDY))
+        for _ in range(500):
+            if session.active == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert session.active == 0 and gone.future.cancelled()
+        # the long sentence took one more step, not the ~50 it needs alone
+        assert h.sample("translator_decode_steps_total") <= max(steps_before + 1, steps_alone(MID, GREEDY))
+
+    with Harness(pause_before=lambda s: s.session.steps == 2) as h:
+        asyncio.run(scenario(h))
+    assert h.metrics.registry.get_sample_value("translator_cancelled_sentences_total", {"stage": "running"}) == 1
+    assert h.metrics.registry.get_sample_value("translator_cancelled_sentences_total", {"stage": "queued"}) == 0
+
+
+def test_cancel_in_the_session_frees_rows_and_keeps_the_others_exact() -> None:
+    src = pad([[*LONG, 3], [*SHORT, 3], [9, 10, 11, 3]], 0)
+    beam = DecodingOptions(beam_size=3)
+    session = IdsSession(MODEL, beam)
+    session.admit([LONG, SHORT, [9, 10, 11]], [0, 1, 2])
+    for _ in range(2):
+        session.step()
+    assert session.cancel({0, 42}) == 1  # an unknown tag is ignored
+    done = {f.index: f for f in session.step()}
+    assert 0 in done and not done[0].hypotheses[0].finished and session.active <= 2
+    rest = {**done}
+    while session.active:
+        rest.update({f.index: f for f in session.step()})
+    full = decode(MODEL, src, beam).hypotheses
+    for tag in (1, 2):
+        assert same(rest[tag].hypotheses, full[tag][:1])

@@ -134,19 +134,26 @@ def test_disconnected_client_leaves_no_work_queued(weights_env: dict[str, str], 
         assert ran < 60, f"{ran:.0f} of 60 sentences were translated for a client that had left"
 
 
+SERVE = ["-m", "app.cli", "serve"]
+
+
 def sigterm_while_busy(
-    weights_env: dict[str, str], bodies: list[dict[str, Any]], settings: dict[str, str]
+    weights_env: dict[str, str],
+    bodies: list[dict[str, Any]],
+    settings: dict[str, str],
+    command: list[str] = SERVE,
+    exit_within: float = 60,
 ) -> tuple[list[httpx.Response], str, str]:
-    """Start a real server, send ``bodies`` concurrently, SIGTERM it once all are accepted;
-    -> (responses, base URL, server log). The server has exited when this returns."""
+    """Start a real server (``python COMMAND``), send ``bodies`` concurrently, SIGTERM it once
+    all are accepted; -> (responses, base URL, server log). The server has exited when this
+    returns, at most ``exit_within`` seconds after the signal."""
     port = free_port()
     env = {**os.environ, **weights_env, "TRANSLATOR_PORT": str(port), "TRANSLATOR_HOST": "127.0.0.1"}
     env |= {"TRANSLATOR_CACHE_SIZE": "0", **settings}
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-        )
+        cmd = [sys.executable, *(c.replace("{port}", str(port)) for c in command)]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_ready(url, proc, 120, log)
             results: list[httpx.Response] = []
@@ -157,9 +164,11 @@ def sigterm_while_busy(
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
             thread.join(120)
             # uvicorn re-raises the signal after its graceful shutdown, so -SIGTERM is a clean exit
             assert proc.wait(60) in (0, -signal.SIGTERM)
+            assert time.monotonic() - signalled < exit_within
             log.seek(0)
             return results, url, log.read()
         finally:
@@ -189,6 +198,24 @@ def test_requests_cut_off_by_the_drain_timeout_get_503_not_500(
         if r.status_code == 503:
             assert r.json()["error_type"] == "shutting_down" and r.headers["Retry-After"] == "1"
     assert "Exception in ASGI application" not in log
+
+
+@pytest.mark.parametrize(
+    "command",
+    [SERVE, ["-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", "{port}"]],
+    ids=["cli", "uvicorn"],
+)
+def test_sub_second_drain_timeout_holds_however_started(
+    weights_env: dict[str, str], test_sentences: list[str], command: list[str]
+) -> None:
+    """0.5 s to drain, with ~30 s of work accepted: cut off in time (503), under ``translator
+    serve`` and under a plain ``uvicorn app.main:app`` (which knows nothing of the setting)."""
+    bodies = [{"q": test_sentences[20 * i : 20 * i + 20], **DOC, "beam_size": 8} for i in range(8)]
+    settings = {"TRANSLATOR_MAX_BATCH_SENTENCES": "1", "TRANSLATOR_DRAIN_TIMEOUT_S": "0.5"}
+    results, _, log = sigterm_while_busy(weights_env, bodies, settings, command, exit_within=5)
+    statuses = [r.status_code for r in results]
+    assert len(statuses) == 8 and 503 in statuses and set(statuses) <= {200, 503}, statuses
+    assert "Exception in ASGI application" not in log and "drain timeout" in log
 
 
 def test_ready_is_503_while_loading(weights_env: dict[str, str]) -> None:
@@ -240,3 +267,39 @@ def test_shipped_model_translates_correctly(shipped: Path, weights_env: dict[str
             lower = translation.lower()
             assert all(w in lower for w in words), translation
             assert translation[0].isupper() and translation.endswith(".")
+
+
+def test_abandoned_requests_do_not_delay_the_next(weights_env: dict[str, str], test_sentences: list[str]) -> None:
+    """Three clients leave (time out) with long beam-8 work; their sentences leave the running
+    batch at its next step, so a following request with other options (which has to wait for
+    the running batch to drain) is answered about as fast as alone."""
+    env = {**weights_env, "TRANSLATOR_CACHE_SIZE": "0", "TRANSLATOR_MAX_BEAM": "8"}
+    long_texts = sorted(test_sentences, key=len)[-64:]
+    probe = {"q": "Ein Hund rennt.", **DOC, "beam_size": 4}
+    with running_server(env) as url:
+        alone = min(_timed(url, probe) for _ in range(3))
+
+        def leave(texts: list[str]) -> None:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{url}/translate", json={"q": texts, **DOC, "beam_size": 8}, timeout=0.3)
+
+        clients = [threading.Thread(target=leave, args=(long_texts,)) for _ in range(3)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join()
+        after = _timed(url, probe)
+        cancelled = sum(
+            metric(url, "translator_cancelled_sentences_total", {"stage": s}) for s in ("queued", "running")
+        )
+    assert cancelled >= 96, cancelled  # of 192: those not finished before their client left
+    assert after < max(3 * alone, alone + 0.15), (
+        f"{after * 1000:.0f} ms after abandoned work, {alone * 1000:.0f} ms alone"
+    )
+
+
+def _timed(url: str, body: dict[str, Any]) -> float:
+    start = time.perf_counter()
+    reply = httpx.post(f"{url}/translate", json=body, timeout=60)
+    assert reply.status_code == 200
+    return time.perf_counter() - start

@@ -38,6 +38,7 @@ def png_size(path: Path) -> tuple[int, int]:
 def test_cli_prints_one_line_per_run_and_plots(tiny_weights_dir: Path, data_dir: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "bench.load", "--concurrency", "1,8", "--requests", "24", "--batching", "on,off"]
     cmd += ["--weights", str(tiny_weights_dir), "--beam-size", "1", "--port", str(free_port()), "--data", str(data_dir)]
+    cmd += ["--offline"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -46,6 +47,7 @@ def test_cli_prints_one_line_per_run_and_plots(tiny_weights_dir: Path, data_dir:
         assert set(row) >= KEYS, row
         assert row["requests"] == 24 and row["errors"] == 0
         assert row["rps"] > 0 and 0 < row["p50_ms"] <= row["p95_ms"] <= row["p99_ms"]
+        assert row["offline_sps"] > 0 and row["of_offline"] == round(row["rps"] / row["offline_sps"], 3)
 
     log = tmp_path / "load.jsonl"
     log.write_text("some log line\n" + proc.stdout)
