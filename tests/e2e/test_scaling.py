@@ -87,9 +87,11 @@ def process(command: list[str], env: dict[str, str] | None = None) -> Iterator[s
 
 
 def never_ready_replica(stack: ExitStack, folder: Path) -> str:
-    """A replica whose models never load: /health 200, /ready 503 for ever."""
-    empty = folder / "no-weights"
-    empty.mkdir()
+    """A replica whose checkpoint fails to load: it answers, /ready 503 for ever (and /health
+    503, so an orchestrator would restart it; an empty weights folder fails start-up instead)."""
+    empty = folder / "broken-weights"
+    (empty / "de-en").mkdir(parents=True)
+    (empty / "de-en" / "config.json").write_text("{corrupt")
     port = free_port()
     env = {
         **os.environ,
@@ -99,7 +101,7 @@ def never_ready_replica(stack: ExitStack, folder: Path) -> str:
     }
     stack.enter_context(process([sys.executable, "-m", "app.cli", "serve"], env))
     url = f"http://127.0.0.1:{port}"
-    wait(lambda: status(f"{url}/health") == 200, 60, "the never-ready replica's /health")
+    wait(lambda: status(f"{url}/health") == 503, 60, "the never-ready replica's /health")
     assert status(f"{url}/ready") == 503
     return url
 

@@ -42,3 +42,23 @@ def test_shipped_weights_score_above_the_floor(shipped: Path, data_dir: Path, be
     assert result["sentences"] == 100 and result["seconds"] > 0
     assert result["bleu_lc"] >= FLOOR_BEAM[beam], result
     assert result["bleu"] <= result["bleu_lc"] and result["chrf"] > 50
+
+
+@pytest.mark.slow
+def test_int8_scores_within_0_3_bleu_of_float32(shipped: Path, data_dir: Path) -> None:
+    """int8 (fbgemm, per-channel weights, dynamic activations) against float32 on all of test_2016, greedy."""
+    from model import kernels
+
+    if not kernels.detected().avx2:
+        pytest.skip("int8 needs AVX2 (this CPU refuses it, as tests/model/test_kernels.py checks)")
+    scores = {}
+    for dtype in ("float32", "int8"):
+        cmd = [sys.executable, "-m", "model.evaluate", "--weights", str(shipped), "--beam-size", "1"]
+        cmd += ["--src", str(data_dir / "test_2016_flickr.de.gz"), "--ref", str(data_dir / "test_2016_flickr.en.gz")]
+        cmd += ["--threads", "2", "--dtype", dtype]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        scores[dtype] = json.loads(proc.stdout.splitlines()[-1])
+    assert scores["int8"]["kernel"] == "fbgemm-int8" and scores["float32"]["kernel"] in ("onednn", "aten")
+    assert abs(scores["int8"]["bleu"] - scores["float32"]["bleu"]) <= 0.3, scores
+    assert scores["int8"]["sentences"] == 1000
