@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -53,7 +54,15 @@ OpenSession = Callable[[DecodingOptions], Session]
 
 
 class QueueFull(Exception):
-    """The queue has no room for the request's sentences; the client should retry later."""
+    """The queue has no room for the request's sentences now; retry after ``retry_after`` s."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class TooLarge(Exception):
+    """More sentences than the queue can ever hold: retrying cannot help."""
 
 
 class SchedulerClosed(Exception):
@@ -96,6 +105,7 @@ class BatchScheduler:
         self._cond = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._rate = Throughput()  # sentences answered per second, for Retry-After
 
     def start(self, warm_up: Callable[[], None] | None = None) -> None:
         """Start the worker; it runs ``warm_up`` first, and this returns (or raises) when that is done.
@@ -137,6 +147,20 @@ class BatchScheduler:
     def depth(self) -> int:
         return len(self._pending)
 
+    def check_room(self, sentences: int) -> None:
+        """Raise what ``submit`` would for this many sentences (TooLarge, QueueFull), before
+        the request is tokenized: under overload a rejection costs no model-side work."""
+        limit = self.limits.queue_size
+        if sentences > limit:
+            raise TooLarge(f"{sentences} sentences in one request; this server queues at most {limit}: split it")
+        depth = len(self._pending)
+        if depth + sentences > limit:
+            raise QueueFull(f"{depth} sentences queued (limit {limit})", self.retry_after(depth + sentences))
+
+    def retry_after(self, sentences: int) -> int:
+        """Seconds until about ``sentences`` queued sentences are done at the measured rate (1-60)."""
+        return max(1, min(60, math.ceil(sentences / max(self._rate.per_second(), 1.0))))
+
     # --- called on the event loop ---------------------------------------------------------
     def submit(self, sentences: Sequence[list[int]], options: DecodingOptions) -> list[Job]:
         """Queue all sentences of a request, or none of them (QueueFull)."""
@@ -172,8 +196,7 @@ class BatchScheduler:
         with self._cond:
             if self._closing:
                 raise SchedulerClosed("shutting down")
-            if len(self._pending) + len(jobs) > self.limits.queue_size:
-                raise QueueFull(f"{len(self._pending)} sentences queued (limit {self.limits.queue_size})")
+            self.check_room(len(jobs))
             self._pending.extend(jobs)
             self.metrics.queue_depth.inc(len(jobs))
             self._cond.notify()
@@ -308,7 +331,30 @@ class BatchScheduler:
                 continue
             best = done.hypotheses[0]
             m.target_tokens.labels(d).inc(len(best.ids) + int(best.finished))
+            self._rate.add(1)
             _deliver(job, done.hypotheses)
+
+
+class Throughput:
+    """Events per second over the last ``window`` seconds, this one included (a ring of
+    one-second counts)."""
+
+    def __init__(self, window: int = 10) -> None:
+        self.window = window
+        self.counts = [0] * window
+        self.seconds = [-1] * window
+
+    def add(self, n: int, now: float | None = None) -> None:
+        second = int(time.monotonic() if now is None else now)
+        slot = second % self.window
+        if self.seconds[slot] != second:
+            self.seconds[slot], self.counts[slot] = second, 0
+        self.counts[slot] += n
+
+    def per_second(self, now: float | None = None) -> float:
+        second = int(time.monotonic() if now is None else now)
+        recent = [c for c, s in zip(self.counts, self.seconds, strict=True) if 0 <= second - s < self.window]
+        return sum(recent) / self.window if recent else 0.0
 
 
 def _deliver(job: Job, result: list[Hypothesis] | Any) -> None:

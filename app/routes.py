@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
@@ -16,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from app import attention_view
-from app.batching import QueueFull, SchedulerClosed
+from app.batching import QueueFull, SchedulerClosed, TooLarge
 from app.errors import ApiError, describe_validation
 from app.schemas import (
     AttentionRequest,
@@ -206,10 +207,22 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 async def run_queued(request: Request, work: Awaitable[T]) -> T:
-    try:
+    with scheduler_errors():
         return await until_disconnect(request, work)
+
+
+@contextmanager
+def scheduler_errors() -> Iterator[None]:
+    """The scheduler's refusals as HTTP errors: 429 (retry after the queue's measured drain
+    time), 413 (never fits: not retryable), 503 (shutting down)."""
+    try:
+        yield
     except QueueFull as err:
-        raise ApiError(429, "queue_full", f"too busy, retry shortly ({err})", {"Retry-After": "1"}) from None
+        raise ApiError(
+            429, "queue_full", f"too busy, retry shortly ({err})", {"Retry-After": str(err.retry_after)}
+        ) from None
+    except TooLarge as err:
+        raise ApiError(413, "too_many_sentences", str(err)) from None
     except SchedulerClosed:
         raise ApiError(503, "shutting_down", "the service is shutting down", {"Retry-After": "1"}) from None
 
@@ -235,6 +248,8 @@ async def translate(request: Request) -> dict[str, Any]:
     service = state.service(body.source, body.target)
     texts = [body.q] if isinstance(body.q, str) else body.q
     check_texts(texts, state.settings)
+    with scheduler_errors():  # shed load before tokenizing: every text has at least one sentence
+        service.scheduler.check_room(len(texts))
     options = decoding_options(service, state.settings, body.beam_size, body.alternatives + 1, body.max_length)
     items = await run_queued(request, service.translate(texts, options, state.settings.request_timeout_s))
     single = isinstance(body.q, str)

@@ -154,7 +154,9 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
 
 
 @contextmanager
-def server(weights: Path, batching: bool, threads: int, port: int) -> Iterator[str]:
+def server(
+    weights: Path, batching: bool, threads: int, port: int, extra_env: dict[str, str] | None = None
+) -> Iterator[str]:
     env = {
         **os.environ,
         "TRANSLATOR_WEIGHTS_DIR": str(weights),
@@ -167,6 +169,7 @@ def server(weights: Path, batching: bool, threads: int, port: int) -> Iterator[s
     }
     if not batching:
         env["TRANSLATOR_MAX_BATCH_SENTENCES"] = "1"
+    env |= extra_env or {}
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(

@@ -258,3 +258,13 @@ def test_cors_origins(tiny_weights_dir: Path) -> None:
         assert preflight.headers["access-control-allow-origin"] == "https://example.org"
         other = client.get("/health", headers={"origin": "https://evil.example"})
         assert "access-control-allow-origin" not in other.headers
+
+
+def test_a_request_that_can_never_fit_is_413_not_retryable(tiny_weights_dir: Path) -> None:
+    for client in start(Settings(weights_dir=tiny_weights_dir, queue_size=2)):
+        reply = post(client, "/translate", {"q": ["Ein Hund.", "Eine Katze.", "Ein Pferd."], **DOC})
+        assert_error(reply, 413, "too_many_sentences")
+        assert "retry-after" not in reply.headers
+        reply = post(client, "/translate", {"q": "Ein Hund. Eine Katze. Ein Pferd.", **DOC})  # 3 sentences, 1 text
+        assert_error(reply, 413, "too_many_sentences")
+        assert post(client, "/translate", {"q": ["Ein Hund.", "Eine Katze."], **DOC}).status_code == 200

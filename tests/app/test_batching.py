@@ -297,3 +297,37 @@ def test_cancel_in_the_session_frees_rows_and_keeps_the_others_exact() -> None:
     full = decode(MODEL, src, beam).hypotheses
     for tag in (1, 2):
         assert same(rest[tag].hypotheses, full[tag][:1])
+
+
+def test_throughput_counts_the_last_seconds() -> None:
+    from app.batching import Throughput
+
+    rate = Throughput(window=10)
+    assert rate.per_second(now=100.5) == 0.0
+    for second in range(91, 101):
+        rate.add(30, now=second + 0.1)
+    assert rate.per_second(now=100.2) == 30.0
+    assert rate.per_second(now=105.2) == 15.0  # half the window has no answers
+    assert rate.per_second(now=200.0) == 0.0
+
+
+def test_requests_that_can_never_fit_are_too_large_and_the_rest_retry_after_the_drain_time() -> None:
+    from app.batching import QueueFull, TooLarge
+
+    limits = BatchLimits(max_sentences=8, max_tokens=1000, max_wait_s=0.0, queue_size=4)
+    scheduler = BatchScheduler(never_opened, limits, Metrics(), "xx-yy")  # not started: nothing leaves the queue
+
+    async def scenario() -> None:
+        with pytest.raises(TooLarge):
+            scheduler.submit([SHORT] * 5, GREEDY)
+        scheduler.submit([SHORT] * 3, GREEDY)
+        with pytest.raises(QueueFull) as full:
+            scheduler.submit([SHORT] * 2, GREEDY)
+        assert full.value.retry_after == 5  # no measured throughput yet: 1 sentence/s assumed
+        for _ in range(10):
+            scheduler._rate.add(10)
+        with pytest.raises(QueueFull) as full:
+            scheduler.check_room(2)
+        assert full.value.retry_after == 1
+
+    asyncio.run(scenario())

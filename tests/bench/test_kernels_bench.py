@@ -1,0 +1,28 @@
+"""bench.kernels prints per-call times of every kernel this CPU can run, for every decoder shape."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from model import kernels
+from tests.helpers import ROOT
+
+
+def test_one_line_per_shape_and_row_count_with_each_runnable_kernel() -> None:
+    cmd = [sys.executable, "-m", "bench.kernels", "--rows", "1,4", "--calls", "3", "--threads", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(r["out"], r["in"], r["rows"]) for r in rows] == [(o, i, n) for o, i in
+                                                                ((768, 256), (256, 256), (1024, 256), (256, 1024),
+                                                                 (8000, 256)) for n in (1, 4)]  # fmt: skip
+    expected = {"aten_us"}
+    if kernels.choose("cpu", "float32").kernel == "onednn":
+        expected.add("onednn_us")
+    if kernels.detected().avx2:
+        expected.add("fbgemm-int8_us")
+    for row in rows:
+        assert {k for k in row if k.endswith("_us")} == expected and all(row[k] > 0 for k in expected)
+        assert row["isa"] == kernels.detected().isa
