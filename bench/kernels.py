@@ -13,9 +13,11 @@ CPU features (and the ISA caps in the environment) select.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -46,10 +48,8 @@ def main(argv: list[str] | None = None) -> None:
         runnable["onednn"] = lambda x, w, b, relu=False: torch.ops.mkldnn._linear_pointwise(
             x, kernels._onednn_packed.get(w, None), b, "none", [], ""
         )
-    try:
+    with contextlib.suppress(kernels.UnsupportedPrecision):  # no AVX2: no int8 row
         runnable["fbgemm-int8"] = kernels.kernel_for(kernels.choose("cpu", "int8"))
-    except kernels.UnsupportedPrecision:
-        pass
     torch.manual_seed(0)
     with torch.no_grad():  # (parameters made in inference mode would have no version counter)
         for out_features, in_features in SHAPES:
@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
                 x = torch.randn(rows, in_features)
                 row = {"out": out_features, "in": in_features, "rows": rows, "isa": kernels.detected().isa}
                 for name, kernel in runnable.items():
-                    row[f"{name}_us"] = per_call_us(lambda k=kernel: k(x, weight, bias, False), args.calls)
+                    call = partial(kernel, x, weight, bias, False)
+                    row[f"{name}_us"] = per_call_us(call, args.calls)
                 print(json.dumps(row), flush=True)
 
 
