@@ -36,6 +36,12 @@ def per_call_us(fn: Callable[[], object], calls: int) -> float:
     return round((time.perf_counter() - start) / calls * 1e6, 1)
 
 
+def packed_onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
+    """``kernels.onednn`` without its one-row ``F.linear`` fallback."""
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, kernels._onednn_packed.get(w, None), b, "none", [], "")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
@@ -45,9 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     runnable: dict[str, kernels.LinearKernel] = {"aten": kernels.aten}
     if kernels.choose("cpu", "float32").kernel == "onednn":
-        runnable["onednn"] = lambda x, w, b, relu=False: torch.ops.mkldnn._linear_pointwise(
-            x, kernels._onednn_packed.get(w, None), b, "none", [], ""
-        )
+        runnable["onednn"] = packed_onednn
     with contextlib.suppress(kernels.UnsupportedPrecision):  # no AVX2: no int8 row
         runnable["fbgemm-int8"] = kernels.kernel_for(kernels.choose("cpu", "int8"))
     torch.manual_seed(0)
