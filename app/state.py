@@ -14,7 +14,7 @@ from app.errors import ApiError
 from app.metrics import Metrics
 from app.service import TranslationService, discover, kernel_plan
 from app.settings import Settings
-from model.allocator import tune_malloc
+from model.allocator import bound_onednn_cache, tune_malloc
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class AppState:
             if self.settings.threads:
                 torch.set_num_threads(self.settings.threads)
             tune_malloc()
+            bound_onednn_cache()
             for path in discover(self.settings.weights_dir):
                 service = TranslationService(path, self.settings, self.metrics)
                 service.start()

@@ -32,3 +32,18 @@ def test_tuned_malloc_reuses_heap_pages() -> None:
     faults_for_fresh_tensors(5)  # the heap grows to hold them first
     tuned = faults_for_fresh_tensors()
     assert tuned < untuned / 4, (tuned, untuned)
+
+
+def test_the_onednn_primitive_cache_is_bounded_unless_the_user_set_it() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = "from model.allocator import bound_onednn_cache as b; import os; print(b(), os.environ[%r])"
+    code %= "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["64", "64"]
+    env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "7"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["7", "7"]
