@@ -51,7 +51,9 @@ before the timed run, so it covers C++ allocations (CTranslate2) as well as torc
 freed during setup (e.g. the float32 weights a converter read) is handed back to the OS
 (``malloc_trim``) before the run so it is not counted. By default each system runs in its own
 process (``--no-isolate`` runs them all in this one), so systems share no memory, thread
-pools or allocator caches. On CUDA it is ``torch.cuda.max_memory_allocated`` during the run
+pools or allocator caches, and a CTranslate2 process imports ``ctranslate2`` before torch: the
+other way round, CTranslate2 bound to torch's OpenMP runtime and ran 2-6x slower (every
+CTranslate2 figure measured before that fix was too low). On CUDA it is ``torch.cuda.max_memory_allocated`` during the run
 minus the allocation before setup (torch systems only; null for CTranslate2, whose allocator
 torch cannot see).
 """
@@ -382,9 +384,18 @@ def run_rounds(systems: Sequence[str], child_argv: list[str], rounds: int) -> No
         raise SystemExit(f"failed: {', '.join(sorted(failed))}")
 
 
+CTRANSLATE2_FIRST = "import ctranslate2, runpy; runpy.run_module('bench.decode', run_name='__main__', alter_sys=True)"
+
+
 def run_isolated(system: str, argv: Sequence[str]) -> list[str]:
     """Run one system in a child process of this module (same cwd); return its JSON lines."""
     cmd = [sys.executable, "-m", "bench.decode", *argv, "--systems", system, "--no-isolate"]
+    if system.startswith("ctranslate2"):
+        # CTranslate2 first, then torch (bench.decode imports it): imported after torch, it ran
+        # 6x slower one sentence at a time (60 against 9.6 ms, beam 4) and 2x slower in batches
+        # of 64 (greedy 355 against 722 sentences/s); both libraries bring an OpenMP runtime,
+        # and the order of loading decides which one it binds to. (docs/benchmarks.md)
+        cmd[1:3] = ["-c", CTRANSLATE2_FIRST]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False, env={**os.environ, "PYTHONPATH": path})
     if proc.returncode:
@@ -428,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
-    if args.isolate and (len(systems) > 1 or args.rounds > 1):
+    if args.isolate:
         run_rounds(systems, _without_systems(sys.argv[1:] if argv is None else argv), args.rounds)
         return
     settings = settings_from(args)
