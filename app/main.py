@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from app import errors
+from app import errors, openapi
 from app.middleware import BodyLimitMiddleware, JsonCorsMiddleware, RequestContextMiddleware
 from app.routes import STATIC, router
 from app.settings import Settings
@@ -52,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.translator = state
     errors.install(app)
     app.include_router(router)
+    openapi.install(app, settings)
     if STATIC.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC), name="static")
     if settings.cors_origins:

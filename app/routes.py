@@ -51,6 +51,8 @@ def state_of(request: Request) -> AppState:
 # JSON nested deeper than this is refused before validation walks it (no request needs more
 # than 3 levels; Python's recursion limit was reached at ~950 and answered 500).
 MAX_JSON_DEPTH = 32
+# Form fields that are lists (a repeated key, or one value); q is a list only when repeated.
+FORM_LISTS = frozenset({"layers", "heads", "kinds"})
 
 
 async def read_body(request: Request) -> dict[str, Any]:
@@ -64,7 +66,7 @@ async def read_body(request: Request) -> dict[str, Any]:
             form = parse_qs(raw.decode("utf-8"), keep_blank_values=True, strict_parsing=False)
         except UnicodeDecodeError:
             raise ApiError(400, "bad_request", "form body is not UTF-8") from None
-        data = {k: (v if k == "q" and len(v) > 1 else v[-1]) for k, v in form.items()}
+        data = {k: (v if k in FORM_LISTS or (k == "q" and len(v) > 1) else v[-1]) for k, v in form.items()}
     elif content_type in ("application/json", "") or content_type.endswith("+json"):
         try:
             data = json.loads(raw)
@@ -161,11 +163,10 @@ def decoding_options(
     rec = dict(service.meta.get("decoding", {}))
     if n_best - 1 > settings.max_alternatives:
         raise ApiError(422, "validation_error", f"alternatives: at most {settings.max_alternatives}")
-    beam = beam_size if beam_size is not None else max(int(rec.get("beam_size", 4)), n_best)
+    # n_best hypotheses come from one beam: a narrower beam is widened to alternatives + 1
+    beam = max(beam_size if beam_size is not None else int(rec.get("beam_size", 4)), n_best)
     if beam > settings.max_beam:
-        raise ApiError(422, "validation_error", f"beam_size: at most {settings.max_beam}")
-    if beam < n_best:
-        raise ApiError(422, "validation_error", f"beam_size must be at least alternatives + 1 ({n_best})")
+        raise ApiError(422, "validation_error", f"beam_size: at most {settings.max_beam} (alternatives + 1 included)")
     cap = service.translator.config.max_positions - 1
     if max_length is not None and max_length > cap:
         raise ApiError(422, "validation_error", f"max_length: at most {cap}")
@@ -374,7 +375,7 @@ async def ready(request: Request) -> dict[str, Any]:
     return {"status": "ready", "directions": [svc.direction for svc in state.services.values()]}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}}})
 async def metrics(request: Request) -> Response:
     """Prometheus text format."""
     return Response(generate_latest(state_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)

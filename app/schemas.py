@@ -19,7 +19,9 @@ class TranslateRequest(BaseModel):
     target: StrictStr = Field(..., description="target language code, e.g. en")
     format: Literal["text"] = Field("text", description='only "text" is supported')
     alternatives: int = Field(0, ge=0, description="extra translations to return (n-best)")
-    beam_size: int | None = Field(None, ge=1, description="default: the model card's beam size")
+    beam_size: int | None = Field(
+        None, ge=1, description="default: the model card's beam size; widened to alternatives + 1 when smaller"
+    )
     max_length: int | None = Field(None, ge=1, description="most tokens to generate per sentence")
     details: bool = Field(False, description="add tokens, scores, token counts and timings per item")
     api_key: str | None = Field(None, description="LibreTranslate-style API key (or X-API-Key header)")

@@ -53,9 +53,9 @@ freed during setup (e.g. the float32 weights a converter read) is handed back to
 process (``--no-isolate`` runs them all in this one), so systems share no memory, thread
 pools or allocator caches, and a CTranslate2 process imports ``ctranslate2`` before torch: the
 other way round, CTranslate2 bound to torch's OpenMP runtime and ran 2-6x slower (every
-CTranslate2 figure measured before that fix was too low). On CUDA it is ``torch.cuda.max_memory_allocated`` during the run
-minus the allocation before setup (torch systems only; null for CTranslate2, whose allocator
-torch cannot see).
+CTranslate2 figure measured before that fix was too low). On CUDA it is
+``torch.cuda.max_memory_allocated`` during the run minus the allocation before setup (torch
+systems only; null for CTranslate2, whose allocator torch cannot see).
 """
 
 from __future__ import annotations

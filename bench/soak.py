@@ -2,6 +2,7 @@
 
     python -m bench.soak [--requests 4000] [--concurrency 16] [--cache on] [--warmup 300]
                          [--sample-every 250] [--weights weights] [--threads 2]
+                         [--env NAME=VALUE ...]
 
 Starts ``translator serve`` (as ``bench.load`` does; translation cache on or off), sends
 ``--requests`` distinct requests from closed-loop clients (each 1-4 consecutive Multi30k
@@ -12,6 +13,8 @@ the last one. Prints one JSON line per sample (``requests``, ``rss_mb``) and a s
 ``rss_ready_mb``, ``rss_warm_mb`` (after ``--warmup`` requests), ``rss_peak_mb``, ``rss_end_mb``,
 ``rss_idle_mb``, ``growth_after_warmup`` (end / warm - 1) and ``peak_over_ready``.
 A flat server keeps ``growth_after_warmup`` within 0.15 and ``peak_over_ready`` within 2.
+``--env`` passes extra variables to the server (allocator experiments: ``MALLOC_ARENA_MAX=2``,
+``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2``).
 """
 
 from __future__ import annotations
@@ -84,9 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--port", type=int, default=8791)
     parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="extra server environment")
     args = parser.parse_args(argv)
     sentences = read_lines(args.data / "train.de.gz")
     env = {"TRANSLATOR_CACHE_SIZE": "10000" if args.cache == "on" else "0", "TRANSLATOR_MAX_BEAM": "8"}
+    env |= dict(item.split("=", 1) for item in args.env)
     with server(args.weights, True, args.threads, args.port, env) as url:
         ready = rss_mb(url)
         print(json.dumps({"requests": 0, "rss_mb": ready}), flush=True)
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         idle = rss_mb(url)
     peak = max([ready, warm, idle, *(s["rss_mb"] for s in rest)])
     summary = {
-        "requests": args.requests, "concurrency": args.concurrency, "cache": args.cache,
+        "requests": args.requests, "concurrency": args.concurrency, "cache": args.cache, "env": args.env,
         "rss_ready_mb": ready, "rss_warm_mb": warm, "rss_peak_mb": peak, "rss_end_mb": end, "rss_idle_mb": idle,
         "growth_after_warmup": round(end / warm - 1, 3), "peak_over_ready": round(peak / ready, 3),
     }  # fmt: skip

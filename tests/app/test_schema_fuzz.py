@@ -1,0 +1,74 @@
+"""Schema-driven fuzzing (schemathesis) of a real server: every operation in /openapi.json,
+with requests generated from the schema, valid and invalid ones alike.
+
+Whatever is generated, the server answers without a 5xx, every answer matches the status
+codes, content types and bodies the schema declares, and valid requests (the schema states
+the real limits: text length, list size, beam) are not rejected as invalid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    positive_data_acceptance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.helpers import running_server
+
+CHECKS = [
+    schemathesis.checks.not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+    positive_data_acceptance,
+]
+
+
+LIMITS = {"TRANSLATOR_MAX_TEXT_CHARS": "300", "TRANSLATOR_MAX_ITEMS": "4", "TRANSLATOR_MAX_BEAM": "4",
+          "TRANSLATOR_MAX_ALTERNATIVES": "2", "TRANSLATOR_CACHE_SIZE": "0"}  # fmt: skip
+OPERATIONS = [("POST", "/translate"), ("POST", "/attention"), ("GET", "/languages"), ("GET", "/info"),
+              ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics")]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def served(tiny_weights_dir: Path) -> Iterator[tuple[str, schemathesis.BaseSchema]]:
+    """A real server and the schema it publishes."""
+    with running_server({"TRANSLATOR_WEIGHTS_DIR": str(tiny_weights_dir), **LIMITS}) as url:
+        yield url, schemathesis.openapi.from_url(f"{url}/openapi.json")
+
+
+def test_every_operation_is_fuzzed(served: tuple[str, schemathesis.BaseSchema]) -> None:
+    paths = served[1].raw_schema["paths"]
+    published = {(method.upper(), path) for path, ops in paths.items() for method in ops}
+    assert published == set(OPERATIONS)
+
+
+def test_the_schema_states_the_limits(served: tuple[str, schemathesis.BaseSchema]) -> None:
+    body = served[1].raw_schema["paths"]["/translate"]["post"]["requestBody"]["content"]["application/json"]
+    props = body["schema"]["properties"]
+    assert props["source"]["enum"] == ["de"] and props["target"]["enum"] == ["en"]
+    text, texts = props["q"]["anyOf"]
+    assert text["maxLength"] == 300 and texts["maxItems"] == 4 and texts["items"]["maxLength"] == 300
+    assert {"type": "integer", "minimum": 1, "maximum": 4} in props["beam_size"]["anyOf"]
+
+
+@pytest.mark.parametrize(("method", "path"), OPERATIONS)
+def test_operation_conforms_to_its_schema(served: tuple[str, schemathesis.BaseSchema], method: str, path: str) -> None:
+    url, schema = served
+
+    @given(case=schema[path][method].as_strategy())
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    def check(case: schemathesis.Case) -> None:
+        case.call_and_validate(base_url=url, checks=CHECKS, timeout=60)
+
+    check()
