@@ -202,14 +202,19 @@ def test_requests_cut_off_by_the_drain_timeout_get_503_not_500(
 
 @pytest.mark.parametrize(
     "command",
-    [SERVE, ["-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", "{port}"]],
-    ids=["cli", "uvicorn"],
+    [
+        SERVE,
+        ["-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", "{port}"],
+        ["-m", "gunicorn", "app.main:app", "-k", "uvicorn_worker.UvicornWorker", "-w", "1", "-b", "127.0.0.1:{port}"],
+    ],
+    ids=["cli", "uvicorn", "gunicorn"],
 )
 def test_sub_second_drain_timeout_holds_however_started(
     weights_env: dict[str, str], test_sentences: list[str], command: list[str]
 ) -> None:
     """0.5 s to drain, with ~30 s of work accepted: cut off in time (503), under ``translator
-    serve`` and under a plain ``uvicorn app.main:app`` (which knows nothing of the setting)."""
+    serve``, under a plain ``uvicorn app.main:app`` and under gunicorn with a uvicorn worker
+    (which know nothing of the setting; gunicorn's master passes SIGTERM on to its worker)."""
     bodies = [{"q": test_sentences[20 * i : 20 * i + 20], **DOC, "beam_size": 8} for i in range(8)]
     settings = {"TRANSLATOR_MAX_BATCH_SENTENCES": "1", "TRANSLATOR_DRAIN_TIMEOUT_S": "0.5"}
     results, _, log = sigterm_while_busy(weights_env, bodies, settings, command, exit_within=5)
