@@ -94,8 +94,18 @@ class BatchLimits:
 class BatchScheduler:
     """Batches the sentences of one model; its sessions run on a dedicated thread."""
 
-    def __init__(self, open_session: OpenSession, limits: BatchLimits, metrics: Metrics, direction: str) -> None:
+    def __init__(
+        self,
+        open_session: OpenSession,
+        limits: BatchLimits,
+        metrics: Metrics,
+        direction: str,
+        on_idle: Callable[[], object] | None = None,
+    ) -> None:
+        """``on_idle`` runs on the worker each time the model runs out of work (the running
+        batch ended and nothing waits): the service hands freed memory back to the OS there."""
         self.open_session, self.limits, self.metrics, self.direction = open_session, limits, metrics, direction
+        self.on_idle = on_idle
         self._session: Session | None = None  # the running batch (worker thread only)
         self._options: DecodingOptions | None = None  # its decoding options
         self._running: dict[int, Job] = {}  # its jobs by tag
@@ -242,6 +252,12 @@ class BatchScheduler:
                 if self._pending[0].options != self._options:
                     return []  # the oldest job needs other options: let this batch drain
                 return self._take_compatible()
+            if not self._pending and self.on_idle is not None:
+                self._cond.release()  # (requests may queue meanwhile)
+                try:
+                    self.on_idle()
+                finally:
+                    self._cond.acquire()
             while not self._pending:
                 if self._closing:
                     return None

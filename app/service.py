@@ -20,6 +20,7 @@ from app.metrics import Metrics
 from app.segmentation import Segment, rejoin, segment, sentences
 from app.settings import Settings
 from model import checkpoint, kernels
+from model.allocator import release_free_memory
 from model.decoding import DecodingOptions, Hypothesis
 from model.kernels import KernelPlan
 from model.translator import AttentionResult, Translator
@@ -84,7 +85,9 @@ class TranslationService:
         limits = BatchLimits(
             settings.max_batch_sentences, settings.max_batch_tokens, settings.max_wait_ms / 1000, settings.queue_size
         )
-        self.scheduler = BatchScheduler(self.translator.open_session, limits, metrics, self.direction)
+        self.scheduler = BatchScheduler(
+            self.translator.open_session, limits, metrics, self.direction, on_idle=release_free_memory
+        )
         self._cache: OrderedDict[tuple[str, str, DecodingOptions], list[Hypothesis]] = OrderedDict()
         self.quality = _read_metrics(path)
 

@@ -77,6 +77,7 @@ class Connection:
         self.timeout = timeout
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self.headers: dict[str, str] = {}  # of the last reply (lower-case names)
 
     async def post_json(self, path: str, payload: object) -> tuple[int, bytes]:
         """-> (status, body); reconnects when the server closed the connection."""
@@ -92,9 +93,11 @@ class Connection:
         self.writer.write(head.encode() + body)
         status = int((await self.reader.readline()).split()[1])
         length, close = 0, False
+        self.headers = {}
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.decode("latin-1").partition(":")
             name = name.strip().lower()
+            self.headers[name] = value.strip()
             if name == "content-length":
                 length = int(value)
             elif name == "connection":

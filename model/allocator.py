@@ -37,6 +37,17 @@ def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM
     return ok
 
 
+def release_free_memory() -> bool:
+    """Hand the free parts of every malloc arena back to the OS (glibc's ``malloc_trim(0)``);
+    False where that does not exist. The service calls it whenever its model runs out of work,
+    so a replica's RSS falls back after a burst of large batches instead of keeping their
+    high-water mark (docs/reliability.md "Memory"); decoding keeps its fast heap in between."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 # oneDNN caches one compiled primitive per (operation, shapes); the decoder's row counts change
 # every step, so a server compiles hundreds. 64 entries: the memory soak (bench.soak, 1,500
 # varied requests) ended at ~890 MiB instead of ~1,250 MiB, for ~5% less offline decoding

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+SPARE_SLOTS = 16  # positions a grown self-attention buffer has beyond what the reorder needs
+
 
 class LayerCache:
     """One decoder layer's cached tensors.
@@ -31,15 +33,18 @@ class LayerCache:
     cross_k/cross_v: (B, H, S, Dh) projections of the encoder memory, R = B * width rows.
     """
 
-    def __init__(self, cross_kv: tuple[torch.Tensor, torch.Tensor], capacity: int, width: int = 1) -> None:
-        """Room for ``capacity`` positions of up to B * width rows; it starts with B rows (one
-        per sentence) and ``reorder`` may widen it (beam search after its first step)."""
+    def __init__(self, cross_kv: tuple[torch.Tensor, torch.Tensor], capacity: int) -> None:
+        """Room for ``capacity`` positions of B rows (one per sentence); ``reorder`` may widen
+        it to B * width rows (beam search after its first step), growing the buffers then."""
         self._cross_k, self._cross_v = cross_kv  # (rows, H, columns, Dh) buffers, front in use
         b, h, s, dh = self._cross_k.shape
         self.sentences, self.source = b, s
-        size = b * width * h * capacity * dh
-        self._k = [self._cross_k.new_empty(size), self._cross_k.new_empty(size)]
-        self._v = [self._cross_v.new_empty(size), self._cross_v.new_empty(size)]
+        # Room for the first rows only: the twins are allocated by the first reorder, at the
+        # size it needs (beam search compacts to length + 1 every step), so memory follows
+        # what the batch holds, not B * width * capacity for every layer up front.
+        size = b * h * capacity * dh
+        self._k = [self._cross_k.new_empty(size), self._cross_k.new_empty(0)]
+        self._v = [self._cross_v.new_empty(size), self._cross_v.new_empty(0)]
         self._current = 0
         self.heads, self.head_dim, self.capacity = h, dh, capacity
         self.rows = b
@@ -96,9 +101,11 @@ class LayerCache:
         kept, new, twin = rows.numel(), self.length - drop, 1 - self._current
         n = kept + add
         slots = max(self.capacity, new) if room is None else new + room
+        needed = n * self.heads * slots * self.head_dim
         for buffers in (self._k, self._v):
-            if buffers[twin].numel() < n * self.heads * slots * self.head_dim:
-                buffers[twin] = buffers[twin].new_empty(n * self.heads * slots * self.head_dim)
+            if buffers[twin].numel() < needed:  # with SPARE_SLOTS more, so beam search (one more slot
+                spare = n * self.heads * SPARE_SLOTS * self.head_dim  # per step) reallocates rarely
+                buffers[twin] = buffers[twin].new_empty(needed + spare)
             source = self._layout(buffers[self._current], self.rows, self.slots)[:, :, drop : self.length]
             target = self._layout(buffers[twin], n, slots)[:, :, :new]
             torch.index_select(source, 0, rows, out=target[:kept])

@@ -310,7 +310,7 @@ class DecodeSession:
         limit = max_steps(src_lengths, self.options, cfg.max_positions - 1)  # (B,)
         longest = int(limit.max())
         if self._cache is None:  # one row per sentence, widened to K by the first step
-            self._cache = model.init_cache(memory, longest, self.k)
+            self._cache = model.init_cache(memory, longest)
         else:
             self._cache.extend_memory(model.project_memory(memory))
             self._added += b * w

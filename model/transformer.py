@@ -243,10 +243,10 @@ class Transformer(nn.Module):
         """memory (B, S, D) -> every decoder layer's cross-attention K, V, each (B, H, S, Dh)."""
         return [layer.cross_attn.project_memory(memory) for layer in self.decoder_layers]
 
-    def init_cache(self, memory: torch.Tensor, capacity: int, width: int = 1) -> KVCache:
+    def init_cache(self, memory: torch.Tensor, capacity: int) -> KVCache:
         """Project the memory (B, S, D) to every layer's cross K/V once; room for capacity steps
-        of B * width rows (width hypotheses per sentence, sharing its cross K/V)."""
-        return KVCache([LayerCache(kv, capacity, width) for kv in self.project_memory(memory)])
+        of B rows (beam search widens it to B * width rows, which share their sentence's cross K/V)."""
+        return KVCache([LayerCache(kv, capacity) for kv in self.project_memory(memory)])
 
     def decode_step(
         self,

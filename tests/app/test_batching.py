@@ -76,6 +76,7 @@ class Harness:
 
     def __init__(self, pause_before: Callable = lambda s: False, limits: BatchLimits = LIMITS) -> None:
         self.log: list = []
+        self.idle: list[float] = []  # decoder steps run so far, each time the worker ran out of work
         self.sessions: list[Recorded] = []
         self.metrics = Metrics()
 
@@ -84,7 +85,11 @@ class Harness:
             self.sessions.append(Recorded(MODEL, options, self.log, gate))
             return self.sessions[-1]
 
-        self.scheduler = BatchScheduler(open_session, limits, self.metrics, "xx-yy")
+        def on_idle() -> None:
+            steps = self.metrics.registry.get_sample_value("translator_decode_steps_total", {"direction": "xx-yy"})
+            self.idle.append(steps or 0)
+
+        self.scheduler = BatchScheduler(open_session, limits, self.metrics, "xx-yy", on_idle=on_idle)
 
     def __enter__(self) -> Harness:
         self.scheduler.start()
@@ -151,6 +156,24 @@ def test_each_sentence_is_delivered_as_soon_as_it_is_done() -> None:
     with Harness(pause_before=lambda s: s.active == 1 and s.session.steps > 0) as h:
         asyncio.run(scenario(h))
     assert h.log == [(1, 0, [tuple(LONG), tuple(SHORT)])]  # one batch of both
+
+
+def test_the_idle_hook_runs_when_the_work_runs_out_not_between_steps() -> None:
+    """``on_idle`` (the service returns freed memory to the OS there) runs once the running
+    batch has ended and nothing waits: not while sentences are decoding."""
+
+    async def scenario(h: Harness) -> None:
+        jobs = h.scheduler.submit([LONG, SHORT], GREEDY)
+        await asyncio.gather(*(result(j) for j in jobs))
+        for _ in range(500):
+            if len(h.idle) > 1:
+                break
+            await asyncio.sleep(0.01)
+
+    with Harness() as h:
+        asyncio.run(scenario(h))
+    steps = steps_alone(LONG, GREEDY)
+    assert h.idle == [0, steps], h.idle  # before the first job, and after the batch's last step
 
 
 def test_sentences_join_a_running_batch_between_steps() -> None:

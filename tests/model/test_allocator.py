@@ -8,7 +8,7 @@ import resource
 import pytest
 import torch
 
-from model.allocator import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, tune_malloc
+from model.allocator import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, release_free_memory, tune_malloc
 
 
 def faults_for_fresh_tensors(n: int = 20, mib: int = 8) -> int:
@@ -51,6 +51,25 @@ def _check_tuned_malloc_reuses_heap_pages() -> None:
     faults_for_fresh_tensors(5)  # the heap grows to hold them first
     tuned = faults_for_fresh_tensors()
     assert tuned < untuned / 4, (tuned, untuned)
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def test_release_free_memory_hands_a_freed_burst_back_to_the_os() -> None:
+    """With malloc tuned, a burst of freed tensors stays resident (kept for reuse); the
+    service's idle hook ``release_free_memory`` returns it."""
+    if not tune_malloc():
+        pytest.skip("not glibc")
+    base = rss_mib()
+    burst = [torch.empty(2**18).fill_(1.0) for _ in range(200)]  # 200 x 1 MiB, heap blocks
+    del burst
+    kept = rss_mib()
+    assert kept - base > 150, (base, kept)
+    assert release_free_memory()
+    assert rss_mib() < kept - 150, (base, kept, rss_mib())
 
 
 def test_the_onednn_primitive_cache_is_bounded_unless_the_user_set_it() -> None:

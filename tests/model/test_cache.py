@@ -18,7 +18,7 @@ def step(rows: int, t: int = 1) -> torch.Tensor:
 def test_reorder_and_append_keep_every_row_history(room: int | None) -> None:
     torch.manual_seed(0)
     memory = torch.randn(2, H, 5, DH)
-    cache = LayerCache((memory, memory), capacity=8, width=3)  # 2 sentences, beams of 3
+    cache = LayerCache((memory, memory), capacity=8)  # 2 sentences, beams of 3
     ref_k, ref_v = step(2), step(2)
     cache.append_self(ref_k, ref_v)
     widen = torch.tensor([0, 0, 0, 1, 1, 1])  # beam search after its first step
