@@ -89,3 +89,19 @@ def test_rounds_report_each_rows_median_round(tiny_weights_dir: Path, data_dir: 
     assert [(r["batching"], r["concurrency"]) for r in rows] == [("on", 1), ("on", 4)]
     for row in rows:
         assert len(row["rounds_rps"]) == 3 and row["rps"] == sorted(row["rounds_rps"])[1]
+
+
+@pytest.mark.slow
+def test_overload_bench_counts_rejections_and_retries_until_served(tiny_weights_dir: Path, data_dir: Path) -> None:
+    """bench.overload: a queue of 2 against 16 clients rejects some requests (429), both kinds
+    of client retry until all 48 are served, and the goodput ratio is printed."""
+    cmd = [sys.executable, "-m", "bench.overload", "--clients", "16", "--queue-size", "2", "--requests", "48"]
+    cmd += ["--weights", str(tiny_weights_dir), "--beam-size", "4", "--port", str(free_port()), "--data", str(data_dir)]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    polite, impatient, ratio = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert (polite["behaviour"], impatient["behaviour"]) == ("polite", "impatient")
+    for row in (polite, impatient):
+        assert row["errors"] == 0 and row["requests"] == 48 and row["goodput_rps"] > 0
+    assert impatient["rejected"] > 0 and impatient["reject_p50_ms"] <= impatient["reject_p99_ms"]
+    assert ratio["impatient_over_polite"] == round(impatient["goodput_rps"] / polite["goodput_rps"], 3)

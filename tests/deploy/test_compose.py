@@ -57,6 +57,14 @@ def test_translator_builds_the_cpu_image_by_default(cpu: dict[str, Any]) -> None
     assert "deploy" not in translator, "no GPU reservation without the override"
 
 
+def test_translator_memory_is_limited_from_the_measured_soak(cpu: dict[str, Any]) -> None:
+    """docs/reliability.md: soak peaks of 860-1,010 MiB; the limit leaves room above them."""
+    translator = cpu["services"]["translator"]
+    assert translator["mem_limit"] == str(1536 * 2**20)
+    raised = resolved(BASE, env={"TRANSLATOR_MEMORY_LIMIT": "3g"})["services"]["translator"]
+    assert raised["mem_limit"] == str(3 * 2**30)
+
+
 def test_every_service_has_a_healthcheck_and_a_restart_policy(cpu: dict[str, Any]) -> None:
     assert set(cpu["services"]) == {"translator", "prometheus", "grafana"}
     for name, service in cpu["services"].items():
