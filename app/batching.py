@@ -252,12 +252,14 @@ class BatchScheduler:
                 if self._pending[0].options != self._options:
                     return []  # the oldest job needs other options: let this batch drain
                 return self._take_compatible()
-            if not self._pending and self.on_idle is not None:
-                self._cond.release()  # (requests may queue meanwhile)
-                try:
-                    self.on_idle()
-                finally:
-                    self._cond.acquire()
+            if not self._pending:  # out of work: drop the ended batch's session (its cache buffers
+                self._session = None  # are as large as its largest step), then the idle hook
+                if self.on_idle is not None:
+                    self._cond.release()  # (requests may queue meanwhile)
+                    try:
+                        self.on_idle()
+                    finally:
+                        self._cond.acquire()
             while not self._pending:
                 if self._closing:
                     return None
