@@ -96,8 +96,8 @@ def _form(body: dict[str, Any]) -> dict[str, Any]:
 
 def constrain(schema: dict[str, Any], settings: Settings, facts: ModelFacts | None) -> None:
     """Write the limits into the /translate and /attention request bodies of ``schema``."""
-    beam = settings.max_beam
-    for path, texts in (("/translate", settings.max_text_chars), ("/attention", settings.max_text_chars)):
+    beam, texts = settings.max_beam, settings.max_text_chars
+    for path in ("/translate", "/attention"):
         contents = schema["paths"][path]["post"]["requestBody"]["content"]
         contents[FORM]["schema"] = _form(contents[FORM]["schema"])
         for content in contents.values():
