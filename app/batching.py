@@ -2,8 +2,9 @@
 
 Requests (on the event loop) put sentence jobs into a bounded queue and await futures.
 One worker thread per model owns a running batch (a decoding session). When the batch is
-empty, the worker takes the oldest job, waits at most ``max_wait`` for company and starts
-a batch of jobs with the same decoding options, bounded by sentence count and padded
+empty, the worker takes the oldest job and starts a batch of jobs with the same decoding
+options at once, unless sentences arrive so often that company is expected within
+``max_wait`` (then it waits that long at most: a lone client never waits), bounded by sentence count and padded
 source tokens (shortest first, so little padding). While the batch runs, queued jobs with
 the batch's options join it between decoder steps, as far as the limits allow, and each
 sentence goes back to its request the step it is done. So the batch stays full under load
@@ -79,8 +80,13 @@ class Job:
     loop: asyncio.AbstractEventLoop
     enqueued: float = field(default_factory=time.perf_counter)
     call: Callable[[], Any] | None = None
-    started: float = 0.0
     tag: int | None = None  # its name in the running batch, once admitted
+    # perf_counter() when the model thread took it, when its batch's joiners were encoded, when
+    # its last step was done and when its event loop had the answer (app/timing.py's phases)
+    started: float = 0.0
+    encoded: float = 0.0
+    finished: float = 0.0
+    delivered: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,7 @@ class BatchScheduler:
         self._closing = False
         self._thread: threading.Thread | None = None
         self._rate = Throughput()  # sentences answered per second, for Retry-After
+        self._arrivals = Throughput()  # sentences queued per second: is company worth waiting for?
 
     def start(self, warm_up: Callable[[], None] | None = None) -> None:
         """Start the worker; it runs ``warm_up`` first, and this returns (or raises) when that is done.
@@ -208,6 +215,7 @@ class BatchScheduler:
                 raise SchedulerClosed("shutting down")
             self.check_room(len(jobs))
             self._pending.extend(jobs)
+            self._arrivals.add(sum(job.call is None for job in jobs))
             self.metrics.queue_depth.inc(len(jobs))
             self._cond.notify()
 
@@ -265,7 +273,7 @@ class BatchScheduler:
                     return None
                 self._cond.wait()
             deadline = self._pending[0].enqueued + lim.max_wait_s
-            while len(self._pending) < lim.max_sentences and not self._closing:
+            while self._company_expected() and len(self._pending) < lim.max_sentences and not self._closing:
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     break
@@ -277,6 +285,13 @@ class BatchScheduler:
             self._options = self._pending[0].options
             self._session = None
             return self._take_compatible()
+
+    def _company_expected(self) -> bool:
+        """Whether another sentence is likely to arrive within ``max_wait`` (at the arrival rate
+        of the last seconds). Waiting lets joiners be encoded together, but with continuous
+        batching later arrivals join the running batch anyway, so an idle model waits only
+        when the wait is likely to fill it: never for a lone client (docs/benchmarks.md)."""
+        return self._arrivals.per_second() * self.limits.max_wait_s >= 1
 
     def _pop(self) -> Job:
         self.metrics.queue_depth.dec()
@@ -326,6 +341,9 @@ class BatchScheduler:
         tags = [job.tag for job in jobs if job.tag is not None]
         self._running.update(zip(tags, jobs, strict=True))
         self._session.admit([job.ids for job in jobs], tags)
+        encoded = time.perf_counter()
+        for job in jobs:
+            job.encoded = encoded
         self.metrics.source_tokens.labels(self.direction).inc(sum(len(job.ids) + 1 for job in jobs))
 
     def _step(self) -> None:
@@ -341,11 +359,15 @@ class BatchScheduler:
         m, d = self.metrics, self.direction
         m.batch_sentences.observe(session.active)
         m.batch_tokens.observe(session.active * session.source_width)
+        start = time.perf_counter()
         finished = session.step()
+        now = time.perf_counter()
         m.decode_steps.labels(d).inc()
+        m.decode_step.labels(d).observe(now - start)
         answers: list[tuple[Job, list[Hypothesis]]] = []
         for done in finished:
             job = self._running.pop(done.index)
+            job.finished = now
             if job.future.cancelled():
                 continue
             best = done.hypotheses[0]
@@ -385,9 +407,9 @@ def _deliver_all(answers: Sequence[tuple[Job, Any]]) -> None:
     """Answer a step's sentences with one wake-up per event loop: each ``call_soon_threadsafe``
     writes to the loop's self-pipe, 4% of the batcher thread's py-spy samples at 64 clients
     (end to end the change was within this machine's drift)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Any]]] = {}
     for job, result in answers:
-        by_loop.setdefault(job.loop, []).append((job.future, result))
+        by_loop.setdefault(job.loop, []).append((job, result))
     for loop, results in by_loop.items():
         try:
             loop.call_soon_threadsafe(_set_results, results)
@@ -395,9 +417,11 @@ def _deliver_all(answers: Sequence[tuple[Job, Any]]) -> None:
             log.debug("dropped %d answers to jobs whose event loop is closed", len(results))
 
 
-def _set_results(results: list[tuple[asyncio.Future[Any], Any]]) -> None:
-    for future, result in results:
-        _set_result(future, result)
+def _set_results(results: list[tuple[Job, Any]]) -> None:
+    now = time.perf_counter()
+    for job, result in results:
+        job.delivered = now
+        _set_result(job.future, result)
 
 
 def _fail(job: Job, err: BaseException) -> None:

@@ -61,7 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST"],
             allow_headers=["*"],
-            expose_headers=["X-Request-ID"],
+            expose_headers=["X-Request-ID", "Server-Timing"],
         )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestContextMiddleware, metrics=state.metrics)

@@ -15,6 +15,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app import timing
 from app.metrics import Metrics
 
 log = logging.getLogger("app.access")
@@ -50,13 +51,19 @@ class RequestContextMiddleware:
         endpoint = endpoint_label(scope["path"])
         status = 500
         start = time.perf_counter()
+        request_timing, timing_token = timing.begin()
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
+                extra = [(b"x-request-id", rid.encode())]
+                now = time.perf_counter()
+                if request_timing.returned is not None:
+                    request_timing.record("respond", now - request_timing.returned)
+                if request_timing.phases:
+                    extra.append((b"server-timing", request_timing.header(now).encode()))
+                message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
 
         self.metrics.inflight.inc()
@@ -67,6 +74,9 @@ class RequestContextMiddleware:
             self.metrics.inflight.dec()
             self.metrics.requests.labels(endpoint, str(status)).inc()
             self.metrics.request_duration.labels(endpoint).observe(elapsed)
+            for name, seconds in request_timing.phases.items():
+                self.metrics.request_phase.labels(endpoint, name).observe(seconds)
+            timing.end(timing_token)
             log.info(
                 "%s %s %d %.1fms",
                 scope["method"],

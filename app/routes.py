@@ -16,7 +16,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from app import attention_view
+from app import attention_view, timing
 from app.batching import QueueFull, SchedulerClosed, TooLarge
 from app.errors import ApiError, describe_validation
 from app.schemas import (
@@ -128,7 +128,9 @@ async def authorized_body(request: Request, model: type[M], settings: Settings) 
     if header_key is None:
         key = data.get("api_key")
         check_api_key(key if isinstance(key, str) else None, settings)
-    return validated(model, data)
+    body = validated(model, data)
+    timing.parsed()
+    return body
 
 
 def api_key_header(request: Request) -> str | None:
@@ -261,6 +263,7 @@ async def translate(request: Request) -> dict[str, Any]:
     if body.details:
         details = [item_details(service, i) for i in items]
         out["details"] = details[0] if single else details
+    timing.returned()
     return out
 
 
@@ -307,6 +310,7 @@ async def attention(request: Request) -> dict[str, Any]:
     options = decoding_options(service, state.settings, body.beam_size, 1, None)
     text, result = await run_queued(request, service.attention(body.q, options, state.settings.request_timeout_s))
     payload = attention_view.build(result, sel, state.settings.attention_max_cells)
+    timing.returned()
     return {
         "translatedText": text,
         "source": service.source,

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from app import timing
 from app.batching import BatchLimits, BatchScheduler, Job
 from app.errors import ApiError
 from app.metrics import Metrics
@@ -127,7 +128,8 @@ class TranslationService:
     async def translate(self, texts: Sequence[str], options: DecodingOptions, timeout: float) -> list[ItemResult]:
         """Translate every text; all their sentences go through the batcher together."""
         start = time.perf_counter()
-        prepared = self.prepare(texts)
+        with timing.phase("prepare"):
+            prepared = self.prepare(texts)
         flat = [(text_index, ids) for text_index, (_, ids_list) in enumerate(prepared) for ids in ids_list]
         sources = [s for segs, _ in prepared for s in sentences(segs)]
         results: list[list[Hypothesis] | None] = [self._cache_get(s, options) for s in sources]
@@ -137,16 +139,18 @@ class TranslationService:
         for i, job in zip(missing, jobs, strict=True):
             results[i] = job.future.result()
             self._cache_put(sources[i], options, job.future.result())
+        record_sentence_phases(jobs)
         queue_ms = max((1000 * (j.started - j.enqueued) for j in jobs), default=0.0)
         total_ms = 1000 * (time.perf_counter() - start)
         out, cursor = [], 0
-        for segs, ids_list in prepared:
-            sents = [
-                SentenceResult(sources[k], flat[k][1], results[k] or [], k not in missing)
-                for k in range(cursor, cursor + len(ids_list))
-            ]
-            cursor += len(ids_list)
-            out.append(ItemResult(self._texts(segs, sents, options.n_best), sents, queue_ms, total_ms))
+        with timing.phase("detokenize"):
+            for segs, ids_list in prepared:
+                sents = [
+                    SentenceResult(sources[k], flat[k][1], results[k] or [], k not in missing)
+                    for k in range(cursor, cursor + len(ids_list))
+                ]
+                cursor += len(ids_list)
+                out.append(ItemResult(self._texts(segs, sents, options.n_best), sents, queue_ms, total_ms))
         return out
 
     async def wait(self, jobs: Sequence[Job], timeout: float) -> None:
@@ -194,7 +198,8 @@ class TranslationService:
     # --- attention ------------------------------------------------------------------------
     async def attention(self, text: str, options: DecodingOptions, timeout: float) -> tuple[str, AttentionResult]:
         """Translate one text as a single sequence, then get exact maps of the returned hypothesis."""
-        src_ids = self.translator.encode([text.strip()])[0]
+        with timing.phase("prepare"):
+            src_ids = self.translator.encode([text.strip()])[0]
         limit = min(self.settings.attention_max_tokens, self.translator.max_source_tokens)
         if len(src_ids) > limit:
             raise ApiError(
@@ -203,9 +208,11 @@ class TranslationService:
         deadline = time.perf_counter() + timeout
         jobs = self.scheduler.submit([src_ids], options)
         await self.wait(jobs, timeout)
+        record_sentence_phases(jobs)
         hyp = jobs[0].future.result()[0]
-        call = self.scheduler.call(lambda: self.translator.attention(src_ids, hyp.ids))
-        await self.wait([call], max(deadline - time.perf_counter(), 0.001))
+        with timing.phase("maps"):
+            call = self.scheduler.call(lambda: self.translator.attention(src_ids, hyp.ids))
+            await self.wait([call], max(deadline - time.perf_counter(), 0.001))
         return self.translator.tokenizer.decode([hyp.ids])[0], call.future.result()
 
     def info(self) -> dict[str, Any]:
@@ -226,6 +233,19 @@ class TranslationService:
             "recommended_decoding": self.meta.get("decoding", {}),
             "quality": self.quality,
         }
+
+
+def record_sentence_phases(jobs: Sequence[Job]) -> None:
+    """The request's queue/encode/decode/handoff phases: those of its sentence that finished
+    last, which decided when the request could answer (app/timing.py)."""
+    done = [job for job in jobs if job.delivered]
+    if not done:
+        return
+    last = max(done, key=lambda job: job.finished)
+    timing.record("queue", last.started - last.enqueued)
+    timing.record("encode", last.encoded - last.started)
+    timing.record("decode", last.finished - last.encoded)
+    timing.record("handoff", last.delivered - last.finished)
 
 
 def _read_metrics(path: Path) -> dict[str, Any]:

@@ -26,7 +26,11 @@ class Settings(BaseSettings):
 
     max_batch_sentences: int = Field(64, ge=1, description="sentences decoded together (the running batch)")
     max_batch_tokens: int = Field(6000, ge=16, description="padded source tokens of the running batch")
-    max_wait_ms: float = Field(5.0, ge=0, description="how long an idle model waits for company before starting")
+    max_wait_ms: float = Field(
+        5.0,
+        ge=0,
+        description="how long an idle model may wait for company; it waits only when sentences arrive often enough to expect some within this time",
+    )
     queue_size: int = Field(2048, ge=1, description="sentences waiting per model before 429")
     request_timeout_s: float = Field(30.0, gt=0, description="per request, queueing included (504 after)")
     drain_timeout_s: float = Field(20.0, ge=0, description="on shutdown, time to finish accepted requests")

@@ -160,6 +160,42 @@ def test_repeated_sentences_hit_the_cache(client: TestClient) -> None:
     assert second["details"]["sentences"][0]["cached"] and not first["details"]["sentences"][0]["cached"]
 
 
+def server_timing(response: Any) -> dict[str, float]:
+    """Server-Timing's "name;dur=ms, ..." -> {name: ms}, in the header's order."""
+    out = {}
+    for part in response.headers["server-timing"].split(","):
+        name, dur = part.strip().split(";")
+        assert dur.startswith("dur=")
+        out[name] = float(dur[4:])
+    return out
+
+
+def sample(client: TestClient, name: str, **labels: str) -> float:
+    families = text_string_to_metric_families(client.get("/metrics").text)
+    found = [s.value for f in families for s in f.samples if s.name == name and s.labels == labels]
+    return found[0] if found else 0.0
+
+
+def test_server_timing_breaks_a_request_into_phases(client: TestClient) -> None:
+    phase_count = "translator_request_phase_seconds_count"
+    decodes_before = sample(client, phase_count, endpoint="/translate", phase="decode")
+    steps_before = sample(client, "translator_decode_step_seconds_count", direction="de-en")
+    response = post(client, "/translate", {"q": "Zwei Frauen sitzen auf einer Bank. Sie lachen.", **DOC})
+    assert response.status_code == 200
+    timings = server_timing(response)
+    names = ["parse", "prepare", "queue", "encode", "decode", "handoff", "detokenize", "respond", "total"]
+    assert list(timings) == names
+    assert all(ms >= 0 for ms in timings.values()) and timings["decode"] > 0
+    # the phases follow one another (the sentence that finished last), so they add up to the total
+    assert sum(ms for name, ms in timings.items() if name != "total") <= timings["total"] + 0.1
+    assert sample(client, phase_count, endpoint="/translate", phase="decode") == decodes_before + 1
+    assert sample(client, "translator_decode_step_seconds_count", direction="de-en") > steps_before
+
+    cached = server_timing(post(client, "/translate", {"q": "Zwei Frauen sitzen auf einer Bank. Sie lachen.", **DOC}))
+    assert list(cached) == ["parse", "prepare", "detokenize", "respond", "total"]  # no model work
+    assert "server-timing" not in client.get("/health").headers
+
+
 def test_metadata_endpoints(client: TestClient) -> None:
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/ready").json()["directions"] == ["de-en"]
@@ -188,6 +224,8 @@ def test_metrics_parse_and_have_the_documented_families(client: TestClient) -> N
         "translator_requests",
         "translator_request_duration_seconds",
         "translator_queue_wait_seconds",
+        "translator_request_phase_seconds",
+        "translator_decode_step_seconds",
         "translator_queue_depth",
         "translator_inflight_requests",
         "translator_batch_sentences",

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.settings import Settings
-from tests.app.test_api import DOC, assert_error, start
+from tests.app.test_api import DOC, assert_error, server_timing, start
 
 TEXT = "Ein kleines Mädchen klettert in ein Spielhaus aus Holz."
 
@@ -45,6 +45,13 @@ def test_shapes_match_tokens_and_rows_sum_to_one(client: TestClient) -> None:
     decoder = np.array(out["attention"]["decoder"])
     assert np.triu(decoder, k=1).max() == 0  # causal
     assert out["translatedText"] == client.post("/translate", json={"q": TEXT, **DOC}).json()["translatedText"]
+
+
+def test_server_timing_names_the_maps_pass(client: TestClient) -> None:
+    response = client.post("/attention", json={"q": TEXT, **DOC, "kinds": ["cross"]})
+    timings = server_timing(response)
+    assert list(timings) == ["parse", "prepare", "queue", "encode", "decode", "handoff", "maps", "respond", "total"]
+    assert timings["maps"] > 0 and sum(v for k, v in timings.items() if k != "total") <= timings["total"] + 0.1
 
 
 def test_filters_select_layers_heads_and_kinds(client: TestClient) -> None:

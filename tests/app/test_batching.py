@@ -176,6 +176,31 @@ def test_the_idle_hook_runs_when_the_work_runs_out_not_between_steps() -> None:
     assert h.idle == [0, steps], h.idle  # before the first job, and after the batch's last step
 
 
+def test_an_idle_model_waits_for_company_only_when_it_is_expected() -> None:
+    """With a long ``max_wait``: a lone sentence starts at once; once sentences arrive often
+    enough for company within the wait, an idle model waits for it."""
+    slow = BatchLimits(max_sentences=8, max_tokens=1000, max_wait_s=2.0, queue_size=100)
+
+    async def lone(h: Harness) -> None:
+        job = h.scheduler.submit([SHORT], GREEDY)[0]
+        await result(job)
+        assert job.started - job.enqueued < 1.0  # not the 2 s wait
+
+    async def busy(h: Harness) -> None:
+        await asyncio.gather(*(result(j) for j in h.scheduler.submit([SHORT] * 6, GREEDY)))  # 0.6/s over 10 s
+        first = h.scheduler.submit([LONG], GREEDY)[0]
+        await asyncio.sleep(0.2)
+        second = h.scheduler.submit([SHORT], GREEDY)[0]
+        await asyncio.gather(result(first), result(second))
+        assert first.started == second.started  # taken together after waiting
+
+    with Harness(limits=slow) as h:
+        asyncio.run(lone(h))
+    with Harness(limits=slow) as h:
+        asyncio.run(busy(h))
+    assert h.log[-1][2] == [tuple(LONG), tuple(SHORT)]  # one batch (the oldest first)
+
+
 def test_sentences_join_a_running_batch_between_steps() -> None:
     """A request that arrives while a batch decodes joins it at the next step, instead of
     waiting for it to finish, and gets the same translation as alone."""
