@@ -10,6 +10,9 @@ sentence as soon as its previous answer arrives, until ``--requests`` are done. 
 line per run: concurrency, batching, requests, rps, p50_ms, p95_ms, p99_ms, errors. With
 ``--rounds N`` the sweep runs N times (servers restarted, modes alternating) and each row is
 the round with the median requests/s, plus ``rounds_rps``: this machine drifts 10-20%.
+``--url`` measures a LibreTranslate-compatible server that is already running (ours, or
+LibreTranslate itself: its rows say ``"batching": "external"``). Rows of servers that send
+``Server-Timing`` (ours) get ``phases_ms``: each phase's median over the run's requests.
 ``--offline`` first decodes the same sentences offline (sorted batches of 64, the server's
 ``TRANSLATOR_DTYPE``) and adds ``offline_sps`` and ``of_offline`` (rps / offline_sps) to every
 row: how close serving comes to the model's own batched throughput.
@@ -32,7 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -59,6 +62,20 @@ class LoadResult:
     beam_size: int
     offline_sps: float | None = None  # the same model offline on the same sentences (``--offline``)
     of_offline: float | None = None  # rps / offline_sps
+    phases_ms: dict[str, float] | None = None  # median of each Server-Timing phase (servers that send it)
+
+
+def server_timing(value: str) -> dict[str, float]:
+    """A ``Server-Timing`` header ("name;dur=ms, ...") -> {name: ms}; entries without dur are skipped."""
+    out: dict[str, float] = {}
+    for entry in value.split(","):
+        name, *params = (p.strip() for p in entry.split(";"))
+        for param in params:
+            key, _, number = param.partition("=")
+            if key.lower() == "dur":
+                with suppress(ValueError):
+                    out[name] = float(number)
+    return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -118,6 +135,7 @@ class Connection:
 async def closed_loop(url: str, sentences: list[str], concurrency: int, requests: int, beam: int) -> LoadResult:
     """``concurrency`` clients, each sending its next request when the last one is answered."""
     latencies: list[float] = []
+    phases: dict[str, list[float]] = {}
     errors = 0
     counter = iter(range(requests))
 
@@ -136,6 +154,8 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
                     ok = False
                 latencies.append(time.perf_counter() - start)
                 errors += not ok
+                for name, ms in server_timing(connection.headers.get("server-timing", "") if ok else "").items():
+                    phases.setdefault(name, []).append(ms)
         finally:
             connection.close()
 
@@ -153,6 +173,7 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
         round(percentile(ms, 99), 1),
         errors,
         beam,
+        phases_ms={name: round(statistics.median(v), 2) for name, v in phases.items()} or None,
     )
 
 
@@ -223,6 +244,11 @@ def main(argv: list[str] | None = None) -> None:
         "--rounds", type=int, default=1, help="repeat the whole sweep; print each row's median-rps round"
     )
     parser.add_argument(
+        "--url",
+        help="measure this running LibreTranslate-compatible server (e.g. http://127.0.0.1:5000) instead of "
+        "starting ours; --batching and --weights are then ignored",
+    )
+    parser.add_argument(
         "--offline", action="store_true", help="also decode the same sentences offline; rows get of_offline"
     )
     args = parser.parse_args(argv)
@@ -235,8 +261,12 @@ def main(argv: list[str] | None = None) -> None:
         n = min(args.requests, len(sentences))
         offline = offline_throughput(args.weights, args.data, n, args.beam_size, args.threads)
     for _ in range(args.rounds):
-        for mode in args.batching.split(","):
-            with server(args.weights, mode == "on", args.threads, args.port) as url:
+        for mode in args.batching.split(",") if args.url is None else ["external"]:
+            with (
+                server(args.weights, mode == "on", args.threads, args.port)
+                if args.url is None
+                else nullcontext(args.url.rstrip("/")) as url
+            ):
                 asyncio.run(closed_loop(url, sentences[-50:], 4, 50, args.beam_size))  # warm-up
                 for concurrency in levels:
                     result = asyncio.run(closed_loop(url, sentences, concurrency, args.requests, args.beam_size))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.load import Connection, percentile
+from bench.load import Connection, percentile, server_timing
 from bench.plot import plot, read_rows
 from tests.helpers import ROOT, free_port, running_server
 
@@ -25,6 +25,29 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile(values, 95) == 95.0
     assert percentile(values, 99) == 99.0
     assert percentile([7.0], 99) == 7.0
+
+
+def test_server_timing_header_parses() -> None:
+    assert server_timing('parse;dur=0.31, decode;desc="x";dur=24.9, miss, bad;dur=x') == {"parse": 0.31, "decode": 24.9}
+    assert server_timing("") == {}
+
+
+@pytest.mark.slow
+def test_url_measures_a_running_server_with_its_phases(tiny_weights_dir: Path, data_dir: Path) -> None:
+    """--url drives a server that is already up (any LibreTranslate-compatible one); ours sends
+    Server-Timing, so its rows carry each phase's median."""
+    with running_server({"TRANSLATOR_WEIGHTS_DIR": str(tiny_weights_dir), "TRANSLATOR_CACHE_SIZE": "0"}) as url:
+        cmd = [sys.executable, "-m", "bench.load", "--url", url, "--concurrency", "1,4", "--requests", "16"]
+        cmd += ["--beam-size", "1", "--data", str(data_dir)]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(r["batching"], r["concurrency"]) for r in rows] == [("external", 1), ("external", 4)]
+    for row in rows:
+        assert row["errors"] == 0 and row["rps"] > 0
+        phases = row["phases_ms"]
+        assert {"parse", "prepare", "queue", "encode", "decode", "handoff", "total"} <= set(phases)
+        assert phases["decode"] > 0 and phases["total"] >= phases["decode"]
 
 
 def png_size(path: Path) -> tuple[int, int]:
