@@ -1,10 +1,96 @@
-"""The ``translator`` command: serve the model, or run training, evaluation and plotting."""
+"""The ``translator`` command: serve the model, or run training, evaluation and plotting.
+
+``translator serve`` takes every service setting as a flag, generated from ``Settings`` (its
+description is the help text, its default and ``TRANSLATOR_*`` variable are shown), so the
+flags and the environment variables cannot drift apart. The other subcommands hand their
+arguments to the module's own parser (``translator train --help``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
 import sys
+import typing
+from collections.abc import Callable
+from importlib import metadata
+
+from pydantic import ValidationError
+
+from app.settings import Settings
+
+DISTRIBUTION = "transformer-translator"
+
+
+def version() -> str:
+    """The installed package's version (from its metadata)."""
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:  # running from a checkout that was never installed
+        return "0+unknown"
+
+
+def _train(argv: list[str]) -> None:
+    from model.train import main
+
+    main(argv)
+
+
+def _evaluate(argv: list[str]) -> None:
+    from model.evaluate import main
+
+    main(argv)
+
+
+def _plot(argv: list[str]) -> None:
+    from model.plot import main
+
+    main(argv)
+
+
+# name -> (one-line description, runner); serve has its own parser below
+COMMANDS: dict[str, tuple[str, Callable[[list[str]], None] | None]] = {
+    "serve": ("serve the checkpoints under the weights folder over HTTP", None),
+    "train": ("train a model from a config in configs/ (reproduces the shipped weights)", _train),
+    "evaluate": ("translate a test set and score it with sacreBLEU", _evaluate),
+    "plot": ("draw every head of one attention layer of a translation as heatmaps", _plot),
+}
+
+
+def settings_parser() -> argparse.ArgumentParser:
+    """``translator serve``'s parser: one flag per ``Settings`` field."""
+    parser = argparse.ArgumentParser(
+        prog="translator serve",
+        description="Serve the checkpoints under the weights folder over HTTP. Every flag has a "
+        "TRANSLATOR_* environment variable; a flag overrides its variable.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for name, field in Settings.model_fields.items():
+        env = f"TRANSLATOR_{name.upper()}"
+        default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
+        shown = ",".join(default) if isinstance(default, list) else default
+        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            metavar=None if choices else name.split("_")[-1].upper(),
+            choices=choices,
+            default=argparse.SUPPRESS,
+            help=f"{field.description or name} ({env}; default: {shown})",
+        )
+    return parser
+
+
+def serve_settings(argv: list[str]) -> Settings:
+    """The settings ``translator serve argv`` runs with (the environment, then the flags);
+    an invalid value exits with status 2 and the setting's name."""
+    parser = settings_parser()
+    given = vars(parser.parse_args(argv))
+    try:
+        return Settings(**given)
+    except ValidationError as err:
+        problems = "; ".join(f"--{'.'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in err.errors())
+        parser.error(problems)
 
 
 def serve(argv: list[str]) -> None:
@@ -12,20 +98,8 @@ def serve(argv: list[str]) -> None:
 
     from app.main import create_app
     from app.middleware import configure_logging
-    from app.settings import Settings
 
-    parser = argparse.ArgumentParser(
-        prog="translator serve",
-        description="Serve the shipped checkpoints over HTTP. "
-        "Every TRANSLATOR_* environment variable applies; flags override them.",
-    )
-    parser.add_argument("--host")
-    parser.add_argument("--port", type=int)
-    parser.add_argument("--weights-dir")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    args = parser.parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if v is not None}
-    settings = Settings(**overrides)
+    settings = serve_settings(argv)
     configure_logging(settings.log_level)
     uvicorn.run(
         create_app(settings),
@@ -38,27 +112,30 @@ def serve(argv: list[str]) -> None:
     )
 
 
+def main_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="translator",
+        description="A self-hosted Transformer translation service. Each command takes --help.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (summary, _) in COMMANDS.items():
+        commands.add_parser(name, help=summary, add_help=False)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"serve", "train", "evaluate", "plot"}
-    if not argv or argv[0] not in commands:
-        print("usage: translator {serve,train,evaluate,plot} [options]  (each takes --help)", file=sys.stderr)
-        raise SystemExit(2)
+    if not argv or argv[0] not in COMMANDS:
+        main_parser().parse_args(argv)  # --help, --version, or a usage error (exit 2)
+        return
     command, rest = argv[0], argv[1:]
-    if command == "serve":
+    runner = COMMANDS[command][1]
+    if runner is None:
         serve(rest)
-    elif command == "train":
-        from model.train import main as train_main
-
-        train_main(rest)
-    elif command == "evaluate":
-        from model.evaluate import main as evaluate_main
-
-        evaluate_main(rest)
     else:
-        from model.plot import main as plot_main
-
-        plot_main(rest)
+        sys.argv[0] = f"translator {command}"  # the module's own parser names itself after it
+        runner(rest)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from app import errors, openapi
+from app.cli import version
 from app.middleware import BodyLimitMiddleware, JsonCorsMiddleware, RequestContextMiddleware
 from app.routes import STATIC, router
 from app.settings import Settings
@@ -46,7 +47,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(
         title="Transformer translator",
         description="Neural machine translation (LibreTranslate-compatible /translate, attention maps).",
-        version="0.1.0",
+        version=version(),
         lifespan=lifespan,
     )
     app.state.translator = state

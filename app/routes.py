@@ -342,6 +342,7 @@ async def info(request: Request) -> dict[str, Any]:
     state = state_of(request)
     s = state.settings
     return {
+        "version": request.app.version,
         "ready": state.ready.is_set(),
         "directions": [svc.info() for svc in state.services.values()],
         "limits": {

@@ -20,16 +20,17 @@ class Settings(BaseSettings):
         "auto", description="auto: float16 on CUDA, float32 on CPU; int8: CPU only (needs AVX2)"
     )
     threads: int = Field(0, ge=0, description="torch CPU threads (0: torch's default)")
-    host: str = "0.0.0.0"
-    port: int = Field(8000, ge=1, le=65535)
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    host: str = Field("0.0.0.0", description="address to listen on")
+    port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="level of the JSON logs")
 
     max_batch_sentences: int = Field(64, ge=1, description="sentences decoded together (the running batch)")
     max_batch_tokens: int = Field(6000, ge=16, description="padded source tokens of the running batch")
     max_wait_ms: float = Field(
         5.0,
         ge=0,
-        description="how long an idle model may wait for company; it waits only when sentences arrive often enough to expect some within this time",
+        description="how long an idle model may wait for company; it waits only when sentences arrive "
+        "often enough to expect some within this time",
     )
     queue_size: int = Field(2048, ge=1, description="sentences waiting per model before 429")
     request_timeout_s: float = Field(30.0, gt=0, description="per request, queueing included (504 after)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from importlib import metadata
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,7 @@ def test_metadata_endpoints(client: TestClient) -> None:
     langs = client.get("/languages").json()
     assert {"code": "de", "name": "German", "targets": ["en"]} in langs
     info = client.get("/info").json()
+    assert info["version"] == metadata.version("transformer-translator")
     direction = info["directions"][0]
     assert direction["source"] == "de" and direction["device"] == "cpu" and direction["dtype"] == "float32"
     assert direction["parameters"] > 0 and direction["model"]["d_model"] == 32

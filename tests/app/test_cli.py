@@ -1,0 +1,65 @@
+"""The ``translator`` command line: subcommands, --version, and serve's flags from Settings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from app.cli import COMMANDS, serve_settings, version
+from app.settings import Settings
+from tests.conftest import ROOT
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_help_lists_every_subcommand_with_a_description() -> None:
+    out = cli("--help")
+    assert out.returncode == 0, out.stderr
+    for name, (summary, _) in COMMANDS.items():
+        line = next(ln for ln in out.stdout.splitlines() if ln.strip().startswith(name + " "))
+        assert summary.split()[0] in line
+    assert cli().returncode == 2 and "COMMAND" in cli().stderr  # no command: usage error
+
+
+def test_version_comes_from_the_package_metadata() -> None:
+    out = cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"translator {metadata.version('transformer-translator')}"
+    assert version() == metadata.version("transformer-translator")
+
+
+def test_serve_help_has_every_setting_with_its_variable_and_default() -> None:
+    out = cli("serve", "--help")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    for name in Settings.model_fields:
+        assert f"--{name.replace('_', '-')}" in text
+        assert f"TRANSLATOR_{name.upper()};" in text
+    assert "(TRANSLATOR_PORT; default: 8000)" in text and "(TRANSLATOR_MAX_WAIT_MS; default: 5.0)" in text
+
+
+def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRANSLATOR_PORT", "9000")
+    monkeypatch.setenv("TRANSLATOR_MAX_BEAM", "6")
+    settings = serve_settings(["--port", "9100", "--api-keys", "a, b", "--weights-dir", "/tmp/w", "--dtype", "int8"])
+    assert settings.port == 9100 and settings.max_beam == 6  # the flag wins, the variable still applies
+    assert settings.api_keys == ["a", "b"] and settings.weights_dir == Path("/tmp/w") and settings.dtype == "int8"
+
+
+def test_an_invalid_flag_exits_2_naming_it_without_serving() -> None:
+    out = cli("serve", "--port", "0")
+    assert out.returncode == 2 and "--port" in out.stderr and "greater than or equal to 1" in out.stderr
+    out = cli("serve", "--dtype", "int4")
+    assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def test_module_subcommands_name_themselves_after_the_command() -> None:
+    out = cli("evaluate", "--help")
+    assert out.returncode == 0 and out.stdout.startswith("usage: translator evaluate")
