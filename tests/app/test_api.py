@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from importlib import metadata
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
