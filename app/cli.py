@@ -43,8 +43,14 @@ def _evaluate(argv: list[str]) -> None:
 
 
 def _plot(argv: list[str]) -> None:
-    from model.plot import main
-
+    try:
+        from model.plot import main
+    except ModuleNotFoundError as err:
+        if err.name != "matplotlib":
+            raise
+        raise SystemExit(
+            "translator plot needs matplotlib, an optional dependency: pip install 'transformer-translator[plot]'"
+        ) from None
     main(argv)
 
 

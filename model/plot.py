@@ -148,7 +148,7 @@ def plot_translation(
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m model.plot", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--weights", required=True, type=Path, help="checkpoint folder, e.g. weights/de-en")
     parser.add_argument("--text", required=True, help="source sentence")
     parser.add_argument("--out", required=True, type=Path, help="image file to write (.png, .svg, .pdf)")

@@ -129,3 +129,55 @@ def test_image_healthcheck_passes_when_ready_and_fails_without_server(installed:
         command, env={**installed.env, "TRANSLATOR_PORT": str(free_port())}, capture_output=True, timeout=30
     )
     assert nobody.returncode != 0
+
+
+TINY_TRAIN = """
+name = "tiny"
+[data]
+dir = "{data}"
+train_limit = 400
+eval_limit = 8
+[tokenizer]
+vocab_size = 300
+[model]
+d_model = 16
+n_heads = 2
+encoder_layers = 1
+decoder_layers = 1
+d_ff = 32
+max_positions = 128
+[optim]
+max_epochs = 1
+max_tokens = 1000
+warmup_steps = 2
+average_count = 1
+threads = 1
+"""
+
+
+def test_every_command_the_image_offers_runs_in_it(installed: Installed, data_dir: Path, tmp_path: Path) -> None:
+    """The image installs no dev extras: `translator --help`, every command's --help, and a tiny
+    training run and attention plot work with what it does install."""
+    translator = str(venv_python(installed).parent / "translator")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [translator, *args], env=installed.env, cwd=tmp_path, capture_output=True, text=True, timeout=600
+        )
+
+    overview = run("--help")
+    assert overview.returncode == 0 and all(c in overview.stdout for c in ("serve", "train", "evaluate", "plot"))
+    for command in ("serve", "train", "evaluate", "plot"):
+        out = run(command, "--help")
+        assert out.returncode == 0 and out.stdout.startswith(f"usage: translator {command}"), out.stderr[-2000:]
+    assert run("--version").stdout.startswith("translator ")
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY_TRAIN.format(data=data_dir))
+    trained = run("train", "--config", str(config), "--out", str(tmp_path / "run"), "--max-steps-per-epoch", "2")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    model = tmp_path / "run" / "model"
+    image = tmp_path / "attention.png"
+    plotted = run("plot", "--weights", str(model), "--text", "Ein Hund rennt.", "--out", str(image), "--beam-size", "1")
+    assert plotted.returncode == 0, plotted.stderr[-3000:]
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
