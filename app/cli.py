@@ -54,12 +54,49 @@ def _plot(argv: list[str]) -> None:
     main(argv)
 
 
+# The benchmarks in bench/ (`translator bench NAME --help`); they need the dev extra's peers.
+BENCHMARKS = {
+    "decode": "decoding throughput of ours against CTranslate2, Marian and the naive decoder",
+    "load": "closed-loop clients against a real server (or any LibreTranslate-compatible one)",
+    "overload": "goodput under overload: polite against impatient retries on a small queue",
+    "soak": "memory of a real server over thousands of varied requests",
+    "batching": "static against continuous batching in one process",
+    "kernels": "per-call time of each linear kernel at the shipped model's shapes",
+    "plot": "plot latency against throughput from bench load's lines",
+}
+
+
+def _bench(argv: list[str]) -> None:
+    import importlib
+
+    parser = argparse.ArgumentParser(
+        prog="translator bench",
+        description="Run a benchmark from bench/ (results and commands: docs/benchmarks.md). "
+        "Needs the dev extra: pip install 'transformer-translator[dev]'.",
+    )
+    names = parser.add_subparsers(dest="name", metavar="NAME", required=True)
+    for name, summary in BENCHMARKS.items():
+        names.add_parser(name, help=summary, add_help=False)
+    if not argv or argv[0] not in BENCHMARKS:
+        parser.parse_args(argv)  # --help, or a usage error (exit 2)
+        return
+    try:
+        module = importlib.import_module(f"bench.{argv[0]}")
+    except ModuleNotFoundError as err:
+        raise SystemExit(
+            f"translator bench {argv[0]} needs {err.name}: pip install 'transformer-translator[dev]'"
+        ) from None
+    sys.argv[0] = f"translator bench {argv[0]}"
+    module.main(argv[1:])
+
+
 # name -> (one-line description, runner); serve has its own parser below
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], None] | None]] = {
     "serve": ("serve the checkpoints under the weights folder over HTTP", None),
     "train": ("train a model from a config in configs/ (reproduces the shipped weights)", _train),
     "evaluate": ("translate a test set and score it with sacreBLEU", _evaluate),
     "plot": ("draw every head of one attention layer of a translation as heatmaps", _plot),
+    "bench": ("run a benchmark from bench/ (decode, load, overload, soak, ...)", _bench),
 }
 
 

@@ -3,7 +3,8 @@
     python -m model.evaluate --weights weights/de-en --src FILE --ref FILE \
         [--beam-size N] [--batch-size N] [--device D] [--dtype P] [--limit N] [--threads N]
 
-prints one JSON line: bleu (cased, 13a), bleu_lc (lowercased), chrf, sentences, seconds,
+prints one JSON line: bleu (cased, 13a), bleu_lc (lowercased), chrf, their sacreBLEU signatures,
+sentences, seconds,
 beam_size, dtype and the linear kernel that ran (``model.kernels``).
 """
 
@@ -29,15 +30,21 @@ from model.translator import Translator
 log = logging.getLogger(__name__)
 
 
-def score_translations(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, float]:
-    """Corpus scores: BLEU cased (13a), BLEU lowercased, chrF."""
+def score_translations(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
+    """Corpus scores: BLEU cased (13a), BLEU lowercased, chrF, and each one's sacreBLEU
+    signature (its settings and version, so a score can be reproduced and compared)."""
     if len(hyps) != len(refs):
         raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references")
-    return {
-        "bleu": round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),
-        "bleu_lc": round(sacrebleu.corpus_bleu(hyps, [refs], lowercase=True).score, 2),
-        "chrf": round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2),
+    metrics = {
+        "bleu": sacrebleu.metrics.BLEU(),
+        "bleu_lc": sacrebleu.metrics.BLEU(lowercase=True),
+        "chrf": sacrebleu.metrics.CHRF(),
     }
+    out: dict[str, Any] = {}
+    for name, metric in metrics.items():
+        out[name] = round(metric.corpus_score(list(hyps), [list(refs)]).score, 2)
+    out["signatures"] = {name: str(metric.get_signature()) for name, metric in metrics.items()}
+    return out
 
 
 def recommended_options(meta: dict[str, Any], beam_size: int | None = None) -> DecodingOptions:
@@ -80,7 +87,8 @@ def measure_checkpoint(
         src, ref = data.src, data.tgt
         for name, options in (("greedy", recommended_options(ckpt.meta, 1)), (f"beam{beam.beam_size}", beam)):
             result = evaluate(translator, src, ref, options)
-            out.setdefault(split, {})[name] = {k: result[k] for k in ("bleu", "bleu_lc", "chrf", "sentences")}
+            keys = ("bleu", "bleu_lc", "chrf", "sentences", "signatures")
+            out.setdefault(split, {})[name] = {k: result[k] for k in keys}
             log.info("%s %s: %s", split, name, out[split][name])
     return out
 

@@ -63,3 +63,12 @@ def test_an_invalid_flag_exits_2_naming_it_without_serving() -> None:
 def test_module_subcommands_name_themselves_after_the_command() -> None:
     out = cli("evaluate", "--help")
     assert out.returncode == 0 and out.stdout.startswith("usage: translator evaluate")
+
+
+def test_bench_lists_and_runs_the_benchmarks() -> None:
+    listing = cli("bench", "--help")
+    assert listing.returncode == 0
+    for name in ("decode", "load", "overload", "soak", "batching", "kernels", "plot"):
+        assert f"    {name} " in listing.stdout
+    out = cli("bench", "load", "--help")
+    assert out.returncode == 0 and out.stdout.startswith("usage: translator bench load") and "--url" in out.stdout

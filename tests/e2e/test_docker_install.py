@@ -171,6 +171,9 @@ def test_every_command_the_image_offers_runs_in_it(installed: Installed, data_di
         out = run(command, "--help")
         assert out.returncode == 0 and out.stdout.startswith(f"usage: translator {command}"), out.stderr[-2000:]
     assert run("--version").stdout.startswith("translator ")
+    assert run("bench", "--help").returncode == 0
+    no_peers = run("bench", "load", "--help")  # its HTTP client (httpx) is a dev tool, not in the image
+    assert no_peers.returncode != 0 and "transformer-translator[dev]" in no_peers.stderr
 
     config = tmp_path / "tiny.toml"
     config.write_text(TINY_TRAIN.format(data=data_dir))

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import sacrebleu
 
 from model.evaluate import score_translations
 from tests.helpers import ROOT
@@ -20,7 +21,11 @@ FLOOR_BEAM = {1: 34.3, 5: 34.9}
 def test_scores_are_sacrebleu_corpus_scores() -> None:
     refs = ["A man rides a bike.", "Two dogs play in the snow."]
     perfect = score_translations(refs, refs)
+    signatures = perfect.pop("signatures")
     assert perfect == {"bleu": 100.0, "bleu_lc": 100.0, "chrf": 100.0}
+    version = f"version:{sacrebleu.__version__}"
+    assert signatures["bleu"] == f"nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|{version}"
+    assert "case:lc" in signatures["bleu_lc"] and signatures["chrf"].startswith("nrefs:1|case:mixed|eff:yes|nc:6|nw:0")
     lower = score_translations([r.lower() for r in refs], refs)
     assert lower["bleu_lc"] == 100.0 and lower["bleu"] < 100.0
     with pytest.raises(ValueError):
