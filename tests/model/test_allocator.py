@@ -49,7 +49,9 @@ def _check_tuned_malloc_reuses_heap_pages() -> None:
     assert untuned > 20 * 1000  # each 8 MiB tensor faults in ~2,048 fresh pages
     assert tune_malloc()
     faults_for_fresh_tensors(5)  # the heap grows to hold them first
-    tuned = faults_for_fresh_tensors()
+    # The best of three rounds: one CI run saw 6 of 20 tensors fault while the heap was still
+    # settling (12,288 vs 41,025); without the tuning every round faults on every tensor.
+    tuned = min(faults_for_fresh_tensors() for _ in range(3))
     assert tuned < untuned / 4, (tuned, untuned)
 
 
