@@ -72,14 +72,13 @@ class SchedulerClosed(Exception):
 
 @dataclass(eq=False)
 class Job:
-    """One sentence to decode, or a callable to run on the model thread (``call``)."""
+    """One sentence to decode, answered with its n-best hypotheses."""
 
     ids: list[int]
-    options: DecodingOptions | None
-    future: asyncio.Future[Any]
+    options: DecodingOptions
+    future: asyncio.Future[list[Hypothesis]]
     loop: asyncio.AbstractEventLoop
     enqueued: float = field(default_factory=time.perf_counter)
-    call: Callable[[], Any] | None = None
     tag: int | None = None  # its name in the running batch, once admitted
     # perf_counter() when the model thread took it, when its batch's joiners were encoded, when
     # its last step was done and when its event loop had the answer (app/timing.py's phases)
@@ -87,6 +86,50 @@ class Job:
     encoded: float = 0.0
     finished: float = 0.0
     delivered: float = 0.0
+
+
+@dataclass(eq=False)
+class ModelCall:
+    """A callable to run on the model thread between steps (``BatchScheduler.call``), answered
+    with what it returns. It queues with the sentences: the oldest work decides what runs next."""
+
+    fn: Callable[[], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+    enqueued: float = field(default_factory=time.perf_counter)
+    started: float = 0.0
+
+
+Work = Job | ModelCall
+
+
+# What the worker does next (``BatchScheduler._next``): one of these four.
+@dataclass(frozen=True)
+class Admit:
+    """These jobs join the running batch (a new batch when ``fresh``), then it steps."""
+
+    jobs: list[Job]
+    fresh: bool
+
+
+@dataclass(frozen=True)
+class Step:
+    """The running batch steps; nobody joins it now."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run a model call now (the running batch, if any, waits a step)."""
+
+    call: ModelCall
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Closing, and nothing is left to do."""
+
+
+Decision = Admit | Step | Call | Stop
 
 
 @dataclass(frozen=True)
@@ -117,7 +160,7 @@ class BatchScheduler:
         self._running: dict[int, Job] = {}  # its jobs by tag
         self._cancelled: set[int] = set()  # tags of running jobs whose requests are gone
         self._tags = itertools.count()
-        self._pending: deque[Job] = deque()
+        self._pending: deque[Work] = deque()
         self._cond = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -186,14 +229,14 @@ class BatchScheduler:
         self._enqueue(jobs)
         return jobs
 
-    def call(self, fn: Callable[[], Any]) -> Job:
-        """Run ``fn`` on the model thread between batches (exclusive use of the model)."""
+    def call(self, fn: Callable[[], Any]) -> ModelCall:
+        """Run ``fn`` on the model thread between steps (exclusive use of the model)."""
         loop = asyncio.get_running_loop()
-        job = Job([], None, loop.create_future(), loop, call=fn)
-        self._enqueue([job])
-        return job
+        call = ModelCall(fn, loop.create_future(), loop)
+        self._enqueue([call])
+        return call
 
-    def cancel(self, jobs: Sequence[Job]) -> None:
+    def cancel(self, jobs: Sequence[Work]) -> None:
         """Withdraw jobs (timeouts, disconnected clients): queued ones leave the queue now,
         decoding ones leave the running batch at its next step. Their futures may be
         cancelled already (``asyncio.gather`` cancels its children when it is cancelled)."""
@@ -201,7 +244,7 @@ class BatchScheduler:
             for job in jobs:
                 if not job.future.done():
                     job.future.cancel()
-                if job.tag is not None:  # admitted: maybe decoding still (the worker checks)
+                if isinstance(job, Job) and job.tag is not None:  # admitted: maybe decoding still (the worker checks)
                     self._cancelled.add(job.tag)
             before = len(self._pending)
             self._pending = deque(j for j in self._pending if not j.future.done())
@@ -209,57 +252,60 @@ class BatchScheduler:
                 self.metrics.queue_depth.dec(before - len(self._pending))
                 self.metrics.cancelled.labels("queued").inc(before - len(self._pending))
 
-    def _enqueue(self, jobs: list[Job]) -> None:
+    def _enqueue(self, jobs: Sequence[Work]) -> None:
         with self._cond:
             if self._closing:
                 raise SchedulerClosed("shutting down")
             self.check_room(len(jobs))
             self._pending.extend(jobs)
-            self._arrivals.add(sum(job.call is None for job in jobs))
+            self._arrivals.add(sum(isinstance(job, Job) for job in jobs))
             self.metrics.queue_depth.inc(len(jobs))
             self._cond.notify()
 
     # --- the worker thread ----------------------------------------------------------------
     def _work(self) -> None:
         while True:
-            jobs = self._next_jobs()
-            if jobs is None:
+            decision = self._next()
+            if isinstance(decision, Stop):
                 return
-            if jobs and jobs[0].call is not None:
-                self._call(jobs[0])
+            if isinstance(decision, Call):
+                self._call(decision.call)
                 continue
+            joining = decision.jobs if isinstance(decision, Admit) else []
             try:
-                self._admit(jobs)
+                if isinstance(decision, Admit):
+                    self._admit(decision.jobs, decision.fresh)
                 self._step()
             except Exception as err:  # the model failed: every request in the batch gets the error
-                failed = {id(j): j for j in [*self._running.values(), *jobs]}.values()
+                failed = {id(j): j for j in [*self._running.values(), *joining]}.values()
                 log.exception("decoding %d sentences failed", len(failed))
                 self._session, self._running = None, {}
                 for job in failed:
                     _fail(job, err)
 
-    def _call(self, job: Job) -> None:
-        self._start([job])
-        assert job.call is not None
+    def _call(self, call: ModelCall) -> None:
+        call.started = time.perf_counter()
+        self.metrics.queue_wait.observe(call.started - call.enqueued)
         try:
-            _deliver(job, job.call())
+            _deliver(call, call.fn())
         except Exception as err:
             log.exception("model call failed")
-            _fail(job, err)
+            _fail(call, err)
 
-    def _next_jobs(self) -> list[Job] | None:
-        """What to do next: jobs to admit into the running batch (maybe none: it just steps),
-        a model call, or None when closing with nothing left. Blocks only while idle."""
+    def _next(self) -> Decision:
+        """What the worker does next. With a running batch: a model call that is oldest in the
+        queue, else the queued jobs that fit join it, else it just steps. Idle: wait for work
+        (and, when company is expected, up to ``max_wait`` for more), then start a batch."""
         lim = self.limits
         with self._cond:
             if self._running:
-                if not self._pending:
-                    return []
-                if self._pending[0].call is not None:
-                    return [self._pop()]
-                if self._pending[0].options != self._options:
-                    return []  # the oldest job needs other options: let this batch drain
-                return self._take_compatible()
+                oldest = self._pending[0] if self._pending else None
+                if isinstance(oldest, ModelCall):
+                    return Call(self._pop_call())
+                if oldest is None or oldest.options != self._options:
+                    return Step()  # (other options: let this batch drain first)
+                jobs = self._take_compatible()
+                return Admit(jobs, fresh=False) if jobs else Step()
             if not self._pending:  # out of work: drop the ended batch's session (its cache buffers
                 self._session = None  # are as large as its largest step), then the idle hook
                 if self.on_idle is not None:
@@ -270,7 +316,7 @@ class BatchScheduler:
                         self._cond.acquire()
             while not self._pending:
                 if self._closing:
-                    return None
+                    return Stop()
                 self._cond.wait()
             deadline = self._pending[0].enqueued + lim.max_wait_s
             while self._company_expected() and len(self._pending) < lim.max_sentences and not self._closing:
@@ -279,12 +325,12 @@ class BatchScheduler:
                     break
                 self._cond.wait(remaining)
             if not self._pending:  # everything was cancelled while we waited
-                return []
-            if self._pending[0].call is not None:
-                return [self._pop()]
-            self._options = self._pending[0].options
-            self._session = None
-            return self._take_compatible()
+                return Step()
+            oldest = self._pending[0]
+            if isinstance(oldest, ModelCall):
+                return Call(self._pop_call())
+            self._options = oldest.options
+            return Admit(self._take_compatible(), fresh=True)
 
     def _company_expected(self) -> bool:
         """Whether another sentence is likely to arrive within ``max_wait`` (at the arrival rate
@@ -293,9 +339,11 @@ class BatchScheduler:
         when the wait is likely to fill it: never for a lone client (docs/benchmarks.md)."""
         return self._arrivals.per_second() * self.limits.max_wait_s >= 1
 
-    def _pop(self) -> Job:
+    def _pop_call(self) -> ModelCall:
+        call = self._pending.popleft()
+        assert isinstance(call, ModelCall)
         self.metrics.queue_depth.dec()
-        return self._pending.popleft()
+        return call
 
     def _take_compatible(self) -> list[Job]:
         """Jobs sharing the running batch's options, oldest first, then shortest first, as many
@@ -303,7 +351,7 @@ class BatchScheduler:
         lim = self.limits
         active = len(self._running)
         longest = self._session.source_width if self._session is not None and active else 0
-        same = [j for j in self._pending if j.call is None and j.options == self._options]
+        same = [j for j in self._pending if isinstance(j, Job) and j.options == self._options]
         first, rest = same[0], sorted(same[1 : lim.max_sentences * 4], key=lambda j: len(j.ids))
         chosen: list[Job] = []
         for job in [first, *rest]:
@@ -324,12 +372,10 @@ class BatchScheduler:
             job.started = now
             self.metrics.queue_wait.observe(now - job.enqueued)
 
-    def _admit(self, jobs: list[Job]) -> None:
-        """Jobs join the running batch (a new one if it is idle)."""
-        if not jobs:
-            return
+    def _admit(self, jobs: list[Job], fresh: bool) -> None:
+        """Jobs join the running batch (a new one when ``fresh``: the options may have changed)."""
         self._start(jobs)
-        if self._session is None:
+        if fresh or self._session is None:
             assert self._options is not None
             self._session = self.open_session(self._options)
         with self._cond:  # a job cancelled before it has a tag is dropped here, after it is in _cancelled
@@ -399,15 +445,15 @@ class Throughput:
         return sum(recent) / self.window if recent else 0.0
 
 
-def _deliver(job: Job, result: list[Hypothesis] | Any) -> None:
+def _deliver(job: Work, result: Any) -> None:
     _answer(job, _set_result, result)
 
 
-def _deliver_all(answers: Sequence[tuple[Job, Any]]) -> None:
+def _deliver_all(answers: Sequence[tuple[Job, list[Hypothesis]]]) -> None:
     """Answer a step's sentences with one wake-up per event loop: each ``call_soon_threadsafe``
     writes to the loop's self-pipe, 4% of the batcher thread's py-spy samples at 64 clients
     (end to end the change was within this machine's drift)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Any]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, list[Hypothesis]]]] = {}
     for job, result in answers:
         by_loop.setdefault(job.loop, []).append((job, result))
     for loop, results in by_loop.items():
@@ -417,18 +463,18 @@ def _deliver_all(answers: Sequence[tuple[Job, Any]]) -> None:
             log.debug("dropped %d answers to jobs whose event loop is closed", len(results))
 
 
-def _set_results(results: list[tuple[Job, Any]]) -> None:
+def _set_results(results: list[tuple[Job, list[Hypothesis]]]) -> None:
     now = time.perf_counter()
     for job, result in results:
         job.delivered = now
         _set_result(job.future, result)
 
 
-def _fail(job: Job, err: BaseException) -> None:
+def _fail(job: Work, err: BaseException) -> None:
     _answer(job, _set_exception, err)
 
 
-def _answer(job: Job, setter: Callable[[asyncio.Future[Any], Any], None], value: Any) -> None:
+def _answer(job: Work, setter: Callable[[asyncio.Future[Any], Any], None], value: Any) -> None:
     try:
         job.loop.call_soon_threadsafe(setter, job.future, value)
     except RuntimeError:  # its event loop is closed: nobody is waiting any more

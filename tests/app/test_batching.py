@@ -244,6 +244,27 @@ def test_other_options_wait_for_the_running_batch_to_drain() -> None:
     assert h.log == [(1, 0, [tuple(LONG)]), (2, 0, [tuple(SHORT)]), (1, 0, [(7, 8, 9)])]
 
 
+def test_a_model_call_runs_between_steps_of_the_running_batch() -> None:
+    """A model call (``call``, as /attention's maps) runs at the next step boundary, on the
+    worker thread, ahead of jobs queued after it; the running batch then carries on."""
+    ran: list[tuple[str, int]] = []
+
+    async def scenario(h: Harness) -> None:
+        first = h.scheduler.submit([LONG], GREEDY)[0]
+        session = await h.paused()
+        call = h.scheduler.call(lambda: ran.append((threading.current_thread().name, session.session.steps)) or 42)
+        later = h.scheduler.submit([SHORT], GREEDY)[0]
+        session.release.set()
+        assert await asyncio.wait_for(call.future, 10) == 42
+        assert same(await result(first), alone(LONG, GREEDY))
+        assert same(await result(later), alone(SHORT, GREEDY))
+
+    with Harness(pause_before=lambda s: s.session.steps == 2) as h:
+        asyncio.run(scenario(h))
+    assert ran == [("batcher-xx-yy", 3)]  # after the paused step, before the batch drained
+    assert h.log == [(1, 0, [tuple(LONG)]), (1, 3, [tuple(SHORT)])]  # SHORT joined after the call
+
+
 def test_the_batch_limits_bound_who_joins() -> None:
     """No more sentences decode together than max_sentences; the rest join as others leave."""
     rows = [[4 + i, 5 + i] for i in range(5)]
