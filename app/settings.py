@@ -8,6 +8,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from model.precision import Precision
+
 
 class Settings(BaseSettings):
     """Every knob of the service. Example: ``TRANSLATOR_DEVICE=cuda TRANSLATOR_MAX_WAIT_MS=5``."""
@@ -16,7 +18,7 @@ class Settings(BaseSettings):
 
     weights_dir: Path = Field(Path("weights"), description="folder with one checkpoint folder per direction")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU")
-    dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = Field(
+    dtype: Literal["auto", Precision] = Field(
         "auto", description="auto: float16 on CUDA, float32 on CPU; int8: CPU only (needs AVX2)"
     )
     threads: int = Field(0, ge=0, description="torch CPU threads (0: torch's default)")

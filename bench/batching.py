@@ -21,20 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from bench.stats import median
 from model import checkpoint
-from model.data import read_lines
+from model.data import MULTI30K_DIR, read_lines
 from model.decoding import DecodingOptions
 from model.translator import Translator
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "multi30k"
 MODES = ("static-sorted", "static-arrival", "continuous")
 
 
@@ -80,7 +79,7 @@ def measure(
         start = time.perf_counter()
         counts = run(translator, order, options, args.batch, refill=mode == "continuous")
         passes.append(time.perf_counter() - start)
-    seconds = statistics.median(passes)
+    seconds = median(passes)
     steps, sentence_steps = counts
     return BatchingResult(
         mode, len(ids), round(seconds, 3), round(len(ids) / seconds, 2), steps, sentence_steps,
@@ -91,7 +90,7 @@ def measure(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--weights", type=Path, default=ROOT / "weights" / "de-en")
-    parser.add_argument("--data-dir", type=Path, default=DATA)
+    parser.add_argument("--data-dir", type=Path, default=MULTI30K_DIR)
     parser.add_argument("--beam-size", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64, help="sentences per batch (the server's default)")
     parser.add_argument("--limit", type=int, default=0, help="first N sentences only (0: all)")

@@ -69,7 +69,6 @@ import json
 import logging
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,20 +82,17 @@ from typing import Any, TypeVar
 import torch
 
 from bench import naive
+from bench.stats import median, median_row
 from model import checkpoint, kernels
 from model.allocator import tune_malloc
 from model.checkpoint import Checkpoint
-from model.data import pad, read_lines
+from model.data import MULTI30K_DIR, pad, read_lines
 from model.decoding import DecodingOptions, max_steps
 from model.evaluate import recommended_options, score_translations
 from model.translator import Translator
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "multi30k"
-SYSTEMS = ("ours", "ctranslate2", "ctranslate2-int8", "marian", "naive", "ours-single")
-DEFAULT_SYSTEMS = "ours,ctranslate2,ctranslate2-int8,marian,naive"
-UNBATCHED = ("naive", "ours-single")
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -204,7 +200,7 @@ def batch_limit(src_lengths: Sequence[int], options: DecodingOptions, cap: int) 
 
 def setup_ours(ckpt: Checkpoint, batch_size: int, options: DecodingOptions) -> Translate:
     translator = Translator(ckpt.model, ckpt.tokenizer)
-    cap = ckpt.config.max_positions - 1
+    cap = ckpt.config.max_tokens
 
     def decode(chunk: list[list[int]]) -> list[tuple[int, ...]]:
         limit = batch_limit([len(x) for x in chunk], options, cap)  # the peers' per-batch limit
@@ -239,7 +235,7 @@ def setup_ctranslate2(ckpt: Checkpoint, settings: Settings, folder: Path, int8: 
     model = ctranslate2.Translator(
         str(folder), device=settings.device, compute_type=compute_type, inter_threads=1, intra_threads=settings.threads
     )
-    sp, options, cap = ckpt.tokenizer.sp, settings.options, ckpt.config.max_positions - 1
+    sp, options, cap = ckpt.tokenizer.sp, settings.options, ckpt.config.max_tokens
 
     def decode(chunk: list[list[str]]) -> list[list[str]]:
         results = model.translate_batch(
@@ -277,7 +273,7 @@ def setup_marian(ckpt: Checkpoint, settings: Settings) -> Translate:
         generated = marian.generate(
             input_ids=src,
             attention_mask=(src != cfg.pad_id).long(),
-            max_new_tokens=batch_limit([len(x) for x in chunk], options, cfg.max_positions - 1),
+            max_new_tokens=batch_limit([len(x) for x in chunk], options, cfg.max_tokens),
             **beam,
         )
         return [_until_eos(row[1:], cfg.eos_id) for row in generated.tolist()]
@@ -295,30 +291,43 @@ def _until_eos(row: list[int], eos_id: int) -> list[int]:
     return row[: row.index(eos_id)] if eos_id in row else row
 
 
-def import_runtime(system: str) -> None:
-    """Import a system's runtime before the memory baseline, so library code is not counted."""
-    if system.startswith("ctranslate2"):
-        importlib.import_module("bench.ctranslate2_convert")
-    elif system == "marian":
-        importlib.import_module("bench.marian_convert")
+def _setup_ctranslate2(int8: bool) -> Callable[[Settings, Path], Translate]:
+    def setup(settings: Settings, workdir: Path) -> Translate:  # the converter reads float32 CPU weights
+        return setup_ctranslate2(checkpoint.load(settings.weights, "cpu"), settings, workdir / "ctranslate2", int8)
+
+    return setup
 
 
-def setup(system: str, settings: Settings, workdir: Path) -> Translate:
-    if system.startswith("ctranslate2"):  # the converters read float32 CPU weights
-        cpu = checkpoint.load(settings.weights, "cpu")
-        return setup_ctranslate2(cpu, settings, workdir / system, int8=system.endswith("int8"))
-    if system == "marian":
-        if settings.dtype not in kernels.FLOAT_DTYPES:
-            raise ValueError(f"marian runs float dtypes only, not {settings.dtype}")
-        return setup_marian(checkpoint.load(settings.weights, "cpu"), settings)
-    ckpt = checkpoint.load(settings.weights, settings.device, settings.dtype)
-    if system == "ours":
-        return setup_ours(ckpt, settings.batch_size, settings.options)
-    if system == "ours-single":
-        return setup_ours(ckpt, 1, greedy(settings.options))
-    if system == "naive":
-        return setup_naive(ckpt, greedy(settings.options))
-    raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+def _setup_marian(settings: Settings, workdir: Path) -> Translate:
+    if settings.dtype not in kernels.FLOAT_DTYPES:
+        raise ValueError(f"marian runs float dtypes only, not {settings.dtype}")
+    return setup_marian(checkpoint.load(settings.weights, "cpu"), settings)
+
+
+def _ours(settings: Settings) -> Checkpoint:
+    return checkpoint.load(settings.weights, settings.device, settings.dtype)
+
+
+@dataclass(frozen=True)
+class System:
+    """One system the benchmark can time: how to set it up, and what sets it apart."""
+
+    setup: Callable[[Settings, Path], Translate]  # (settings, an empty scratch folder) -> translate
+    runtime: str | None = None  # imported before the memory baseline, so library code is not counted
+    batched: bool = True  # False: one sentence at a time, greedy, on the first --naive-limit sentences
+    ctranslate2: bool = False  # CTranslate2's own allocator and OpenMP (see run_isolated, PeakMemory)
+    default: bool = True  # in --systems' default list
+
+
+SYSTEMS: dict[str, System] = {
+    "ours": System(lambda s, _: setup_ours(_ours(s), s.batch_size, s.options)),
+    "ctranslate2": System(_setup_ctranslate2(int8=False), "bench.ctranslate2_convert", ctranslate2=True),
+    "ctranslate2-int8": System(_setup_ctranslate2(int8=True), "bench.ctranslate2_convert", ctranslate2=True),
+    "marian": System(_setup_marian, "bench.marian_convert"),
+    "naive": System(lambda s, _: setup_naive(_ours(s), greedy(s.options)), batched=False),
+    "ours-single": System(lambda s, _: setup_ours(_ours(s), 1, greedy(s.options)), batched=False, default=False),
+}
+DEFAULT_SYSTEMS = ",".join(name for name, system in SYSTEMS.items() if system.default)
 
 
 def measure(
@@ -326,11 +335,13 @@ def measure(
 ) -> dict[str, Any]:
     """Set up one system, warm it up, time ``repeat`` passes over ``src`` (the median counts:
     this machine's speed drifts by 10-20% between runs) and score the output."""
-    import_runtime(system)
+    spec = SYSTEMS[system]
+    if spec.runtime is not None:
+        importlib.import_module(spec.runtime)
     release_garbage()
-    meter = PeakMemory(settings.device, tracks_torch=not system.startswith("ctranslate2"))
+    meter = PeakMemory(settings.device, tracks_torch=not spec.ctranslate2)
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
-        translate = setup(system, settings, Path(tmp))
+        translate = spec.setup(settings, Path(tmp))
         release_garbage()
         translate(src[:warmup])
         meter.start()
@@ -340,8 +351,8 @@ def measure(
             out = translate(src)
             runs.append(time.perf_counter() - start)
         peak = meter.stop()
-    seconds = statistics.median(runs)
-    unbatched = system in UNBATCHED
+    seconds = median(runs)
+    unbatched = not spec.batched
     return {
         "system": system,
         "device": settings.device,
@@ -377,9 +388,8 @@ def run_rounds(systems: Sequence[str], child_argv: list[str], rounds: int) -> No
                 failed.add(system)
     for system in systems:
         if rows[system]:
-            ordered = sorted(rows[system], key=lambda r: r["seconds"])
-            median = ordered[(len(ordered) - 1) // 2]
-            print(json.dumps({**median, "rounds_s": [r["seconds"] for r in rows[system]]}), flush=True)
+            middle = median_row(rows[system], key=lambda r: r["seconds"])
+            print(json.dumps({**middle, "rounds_s": [r["seconds"] for r in rows[system]]}), flush=True)
     if failed:
         raise SystemExit(f"failed: {', '.join(sorted(failed))}")
 
@@ -390,7 +400,7 @@ CTRANSLATE2_FIRST = "import ctranslate2, runpy; runpy.run_module('bench.decode',
 def run_isolated(system: str, argv: Sequence[str]) -> list[str]:
     """Run one system in a child process of this module (same cwd); return its JSON lines."""
     cmd = [sys.executable, "-m", "bench.decode", *argv, "--systems", system, "--no-isolate"]
-    if system.startswith("ctranslate2"):
+    if SYSTEMS[system].ctranslate2:
         # CTranslate2 first, then torch (bench.decode imports it): imported after torch, it ran
         # 6x slower one sentence at a time (60 against 9.6 ms, beam 4) and 2x slower in batches
         # of 64 (greedy 355 against 722 sentences/s); both libraries bring an OpenMP runtime,
@@ -418,7 +428,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--warmup", type=int, default=16, help="sentences translated before timing")
     parser.add_argument("--repeat", type=int, default=3, help="timed passes per system; the median is reported")
-    parser.add_argument("--data-dir", type=Path, default=DATA, help="folder with test_2016_flickr.{de,en}.gz")
+    parser.add_argument("--data-dir", type=Path, default=MULTI30K_DIR, help="folder with test_2016_flickr.{de,en}.gz")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True, help="one process per system")
     parser.add_argument(
         "--rounds", type=int, default=1, help="isolated runs of every system, round-robin; the median run is reported"
@@ -449,9 +459,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     tune_malloc()  # every system, so all run under the same allocator settings
     for system in systems:
-        k = min(n, args.naive_limit) if system in UNBATCHED else n
-        warmup = min(args.warmup, 2) if system in UNBATCHED else args.warmup
-        repeat = 1 if system in UNBATCHED else args.repeat
+        batched = SYSTEMS[system].batched
+        k = n if batched else min(n, args.naive_limit)
+        warmup = args.warmup if batched else min(args.warmup, 2)
+        repeat = args.repeat if batched else 1
         print(json.dumps(measure(system, settings, src[:k], ref[:k], warmup, repeat)), flush=True)
 
 

@@ -29,7 +29,6 @@ import asyncio
 import json
 import logging
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,10 +41,10 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from model.data import read_lines
+from bench.stats import median, median_row, percentile
+from model.data import MULTI30K_DIR, read_lines
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "multi30k"
 log = logging.getLogger(__name__)
 
 
@@ -76,13 +75,6 @@ def server_timing(value: str) -> dict[str, float]:
                 with suppress(ValueError):
                     out[name] = float(number)
     return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100)."""
-    ordered = sorted(values)
-    index = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered)) - 1))
-    return ordered[index]
 
 
 class Connection:
@@ -168,12 +160,12 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
         "",
         requests,
         round(requests / elapsed, 2),
-        round(statistics.median(ms), 1),
+        round(median(ms), 1),
         round(percentile(ms, 95), 1),
         round(percentile(ms, 99), 1),
         errors,
         beam,
-        phases_ms={name: round(statistics.median(v), 2) for name, v in phases.items()} or None,
+        phases_ms={name: round(median(v), 2) for name, v in phases.items()} or None,
     )
 
 
@@ -239,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--beam-size", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the server")
     parser.add_argument("--port", type=int, default=8790)
-    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--data-dir", "--data", type=Path, default=MULTI30K_DIR)
     parser.add_argument(
         "--rounds", type=int, default=1, help="repeat the whole sweep; print each row's median-rps round"
     )
@@ -253,13 +245,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    sentences = read_lines(args.data / "test_2016_flickr.de.gz")
+    sentences = read_lines(args.data_dir / "test_2016_flickr.de.gz")
     levels = [int(c) for c in args.concurrency.split(",")]
     runs: dict[tuple[str, int], list[LoadResult]] = {}
     offline = None
     if args.offline:
         n = min(args.requests, len(sentences))
-        offline = offline_throughput(args.weights, args.data, n, args.beam_size, args.threads)
+        offline = offline_throughput(args.weights, args.data_dir, n, args.beam_size, args.threads)
     for _ in range(args.rounds):
         for mode in args.batching.split(",") if args.url is None else ["external"]:
             with (
@@ -278,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
                         print(json.dumps(asdict(result)), flush=True)
     if args.rounds > 1:  # each row: the round with the median requests/s, and every round's
         for results in runs.values():
-            middle = sorted(results, key=lambda r: r.rps)[len(results) // 2]
+            middle = median_row(results, key=lambda r: r.rps)
             print(json.dumps(asdict(middle) | {"rounds_rps": [r.rps for r in results]}), flush=True)
 
 

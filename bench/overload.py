@@ -28,8 +28,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.load import DATA, ROOT, Connection, percentile, server
-from model.data import read_lines
+from bench.load import ROOT, Connection, server
+from bench.stats import median_row, percentile
+from model.data import MULTI30K_DIR, read_lines
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--weights", type=Path, default=ROOT / "weights")
     parser.add_argument("--port", type=int, default=8792)
-    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--data-dir", "--data", type=Path, default=MULTI30K_DIR)
     args = parser.parse_args(argv)
-    sentences = read_lines(args.data / "test_2016_flickr.de.gz")
+    sentences = read_lines(args.data_dir / "test_2016_flickr.de.gz")
     env = {"TRANSLATOR_QUEUE_SIZE": str(args.queue_size)}
     rows: dict[str, list[OverloadResult]] = {"polite": [], "impatient": []}
     for _ in range(args.rounds):
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                     run_clients(url, sentences, args.clients, args.requests, args.beam_size, behaviour == "polite")
                 )
             rows[behaviour].append(OverloadResult(behaviour, args.clients, args.queue_size, args.requests, **stats))
-    best = {b: sorted(r, key=lambda x: x.goodput_rps)[len(r) // 2] for b, r in rows.items()}
+    best = {b: median_row(r, key=lambda x: x.goodput_rps) for b, r in rows.items()}
     for behaviour, row in best.items():
         print(json.dumps(asdict(row) | {"rounds_goodput": [r.goodput_rps for r in rows[behaviour]]}), flush=True)
     ratio = best["impatient"].goodput_rps / max(best["polite"].goodput_rps, 1e-9)

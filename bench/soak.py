@@ -28,8 +28,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.load import DATA, ROOT, Connection, server
-from model.data import read_lines
+from bench.load import ROOT, Connection, server
+from model.data import MULTI30K_DIR, read_lines
 
 BEAMS = (1, 2, 4, 8)
 
@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weights", type=Path, default=ROOT / "weights")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--port", type=int, default=8791)
-    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--data-dir", "--data", type=Path, default=MULTI30K_DIR)
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="extra server environment")
     args = parser.parse_args(argv)
-    sentences = read_lines(args.data / "train.de.gz")
+    sentences = read_lines(args.data_dir / "train.de.gz")
     env = {"TRANSLATOR_CACHE_SIZE": "10000" if args.cache == "on" else "0", "TRANSLATOR_MAX_BEAM": "8"}
     env |= dict(item.split("=", 1) for item in args.env)
     with server(args.weights, True, args.threads, args.port, env) as url:

@@ -76,6 +76,13 @@ class ModelConfig:
         return out
 
     @property
+    def max_tokens(self) -> int:
+        """The longest source (pieces, before its EOS) and the longest output (generated tokens,
+        EOS included) the model takes: one position fewer than ``max_positions``, which the
+        source's EOS and the decoder's BOS take. Everything that caps a length reads this."""
+        return self.max_positions - 1
+
+    @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 

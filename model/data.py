@@ -11,6 +11,10 @@ from pathlib import Path
 
 import torch
 
+# Multi30k task 1 (``{split}.{lang}.gz``): by default the workplace's shared copy beside this
+# repository (never committed into it). Every command's --data-dir and the tests default here.
+MULTI30K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+
 log = logging.getLogger(__name__)
 
 

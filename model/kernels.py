@@ -43,10 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.precision import PRECISIONS, Precision
+
 log = logging.getLogger(__name__)
 
-Precision = Literal["float32", "bfloat16", "float16", "int8"]
-PRECISIONS: tuple[Precision, ...] = ("float32", "bfloat16", "float16", "int8")
 FLOAT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # At one row (greedy search of one sentence) ``F.linear`` beat the packed oneDNN call for

@@ -53,7 +53,7 @@ class AttentionResult:
 def source_batch(model: Transformer, batch: Sequence[Sequence[int]]) -> torch.Tensor:
     """Source ids without specials -> (B, S) padded ids ending with EOS, on the model's device."""
     cfg = model.config
-    limit = cfg.max_positions - 1
+    limit = cfg.max_tokens
     too_long = [len(ids) for ids in batch if len(ids) > limit]
     if too_long:
         raise ValueError(f"source of {max(too_long)} tokens exceeds {limit}")
@@ -104,7 +104,7 @@ class Translator:
     @property
     def max_source_tokens(self) -> int:
         """Longest source (in pieces, before EOS) the model's positions can hold."""
-        return self.config.max_positions - 1
+        return self.config.max_tokens
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Texts -> ids (no specials)."""

@@ -10,12 +10,12 @@ import torch
 
 from model import checkpoint
 from model.config import ModelConfig
-from model.data import read_lines
+from model.data import MULTI30K_DIR, read_lines
 from model.tokenizer import Tokenizer, train_tokenizer
 from model.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = (ROOT / ".." / "shared" / "data" / "multi30k").resolve()
+DATA = MULTI30K_DIR
 SHIPPED = ROOT / "weights" / "de-en"
 IN_CI = os.environ.get("CI", "").lower() == "true"
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.load import Connection, percentile, server_timing
+from bench.load import Connection, server_timing
 from bench.plot import plot, read_rows
+from bench.stats import percentile
 from tests.helpers import ROOT, free_port, running_server
 
 KEYS = {"concurrency", "batching", "requests", "rps", "p50_ms", "p95_ms", "p99_ms", "errors"}
