@@ -67,6 +67,7 @@ import gc
 import importlib
 import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -86,7 +87,7 @@ from bench.stats import median, median_row
 from model import checkpoint, kernels
 from model.allocator import tune_malloc
 from model.checkpoint import Checkpoint
-from model.data import MULTI30K_DIR, pad, read_lines
+from model.data import MULTI30K_DIR, pad, read_lines, token_batches
 from model.decoding import DecodingOptions, max_steps
 from model.evaluate import recommended_options, score_translations
 from model.translator import Translator
@@ -184,10 +185,8 @@ Translate = Callable[[list[str]], Output]
 
 def in_length_order(items: Sequence[T], lengths: Sequence[int], size: int, fn: Callable[[list[T]], list[R]]) -> list[R]:
     """Apply ``fn`` to length-sorted chunks of at most ``size`` items; results in input order."""
-    order = sorted(range(len(items)), key=lambda i: lengths[i])
     results: list[R | None] = [None] * len(items)
-    for start in range(0, len(order), size):
-        chunk = order[start : start + size]
+    for chunk in token_batches(lengths, math.inf, max_items=size):
         for i, result in zip(chunk, fn([items[i] for i in chunk]), strict=True):
             results[i] = result
     return [r for r in results if r is not None]

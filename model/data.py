@@ -106,12 +106,17 @@ def make_batch(
     )
 
 
-def token_batches(lengths: Sequence[int], max_tokens: int, shuffle: bool, seed: int = 0) -> list[list[int]]:
-    """Group example indices into batches of at most ``max_tokens`` padded tokens.
+def token_batches(
+    lengths: Sequence[int], max_tokens: float, shuffle: bool = False, seed: int = 0, max_items: int | None = None
+) -> list[list[int]]:
+    """Group example indices into batches of at most ``max_tokens`` padded tokens (and at most
+    ``max_items`` examples): the one length-bucketing rule of training, offline translation
+    and the benchmarks.
 
-    Examples are sorted by length (with random tie-breaking when shuffling) so a batch
-    holds similar lengths and little padding; the batch order is then shuffled.
-    ``lengths[i]`` is the padded cost of example i (e.g. max of source/target length).
+    Examples are sorted by length (ties: by index, or randomly when shuffling) so a batch
+    holds similar lengths and little padding; with ``shuffle`` the batch order is then
+    shuffled. ``lengths[i]`` is the padded cost of example i (e.g. max of source/target length).
+    An example longer than ``max_tokens`` gets a batch of its own.
     """
     rng = random.Random(seed)
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], rng.random() if shuffle else i))
@@ -120,7 +125,8 @@ def token_batches(lengths: Sequence[int], max_tokens: int, shuffle: bool, seed: 
     longest = 0
     for i in order:
         longest_if_added = max(longest, lengths[i])
-        if current and longest_if_added * (len(current) + 1) > max_tokens:
+        full = max_items is not None and len(current) >= max_items
+        if current and (full or longest_if_added * (len(current) + 1) > max_tokens):
             batches.append(current)
             current, longest_if_added = [], lengths[i]
         current.append(i)

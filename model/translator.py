@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.data import pad
+from model.data import pad, token_batches
 from model.decoding import Decoded, DecodeSession, DecodingOptions, Finished, Hypothesis, collect, decode_stream
 from model.tokenizer import Tokenizer
 from model.transformer import AttentionMaps, Transformer
@@ -141,17 +141,10 @@ class Translator:
     ) -> list[Translation]:
         """Translate many sentences: sort by length, decode in token-bounded batches, unsort."""
         ids = self.encode(texts)
-        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         results: dict[int, Translation] = {}
-        start = 0
-        while start < len(order):
-            end = start + 1
-            while end < len(order) and (len(ids[order[end]]) + 1) * (end + 1 - start) <= max_batch_tokens:
-                end += 1
-            chunk = order[start:end]
+        for chunk in token_batches([len(i) + 1 for i in ids], max_batch_tokens):  # (+ EOS)
             for i, hyps in zip(chunk, self.decode_ids([ids[i] for i in chunk], options), strict=True):
                 results[i] = self.to_translation(ids[i], hyps)
-            start = end
         return [results[i] for i in range(len(ids))]
 
     @torch.inference_mode()

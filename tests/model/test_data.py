@@ -1,0 +1,35 @@
+"""Length bucketing: the one rule training, offline translation and the benchmarks batch by."""
+
+from __future__ import annotations
+
+import math
+
+from model.data import token_batches
+
+LENGTHS = [5, 3, 9, 3, 7, 1, 12, 4]
+
+
+def test_batches_cover_every_example_once_in_length_order_within_the_token_bound() -> None:
+    batches = token_batches(LENGTHS, max_tokens=16)
+    assert sorted(i for b in batches for i in b) == list(range(len(LENGTHS)))
+    flat = [i for b in batches for i in b]
+    assert [LENGTHS[i] for i in flat] == sorted(LENGTHS)  # ties by index: 1 before 3
+    assert flat[1:3] == [1, 3]
+    for batch in batches:
+        assert max(LENGTHS[i] for i in batch) * len(batch) <= 16 or len(batch) == 1
+    assert batches[-1] == [6]  # 12 tokens: a batch of its own (12 x 2 > 16)
+
+
+def test_max_items_bounds_the_batch_size() -> None:
+    batches = token_batches(LENGTHS, math.inf, max_items=3)
+    assert [len(b) for b in batches] == [3, 3, 2]
+    assert [LENGTHS[i] for i in batches[0]] == [1, 3, 3]
+
+
+def test_shuffling_keeps_the_batches_but_not_their_order() -> None:
+    lengths = list(range(1, 200))
+    plain = token_batches(lengths, 400)
+    shuffled = token_batches(lengths, 400, shuffle=True, seed=3)
+    assert sorted(i for b in shuffled for i in b) == list(range(199))
+    assert shuffled != plain
+    assert token_batches(lengths, 400, shuffle=True, seed=3) == shuffled  # seeded
