@@ -31,7 +31,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext, suppress
@@ -39,12 +38,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import httpx
-
+from bench.server import ROOT, running_server
 from bench.stats import median, median_row, percentile
 from model.data import MULTI30K_DIR, read_lines
 
-ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger(__name__)
 
 
@@ -173,40 +170,20 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
 def server(
     weights: Path, batching: bool, threads: int, port: int, extra_env: dict[str, str] | None = None
 ) -> Iterator[str]:
+    """``translator serve`` on these weights as the benchmarks run it: no cache, a queue no
+    load here fills, warnings-only logs; ``batching`` off serves one sentence per step."""
     env = {
-        **os.environ,
         "TRANSLATOR_WEIGHTS_DIR": str(weights),
-        "TRANSLATOR_PORT": str(port),
-        "TRANSLATOR_HOST": "127.0.0.1",
         "TRANSLATOR_CACHE_SIZE": "0",
         "TRANSLATOR_THREADS": str(threads),
         "TRANSLATOR_LOG_LEVEL": "warning",
         "TRANSLATOR_QUEUE_SIZE": "100000",
+        "TRANSLATOR_HOST": "127.0.0.1",
     }
     if not batching:
         env["TRANSLATOR_MAX_BATCH_SENTENCES"] = "1"
-    env |= extra_env or {}
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
-        )
-        try:
-            deadline = time.monotonic() + 180
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    out.seek(0)
-                    raise RuntimeError(f"server did not become ready:\n{out.read()[-3000:]}")
-                try:
-                    if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    with running_server(env | (extra_env or {}), ready_timeout=180, port=port) as url:
+        yield url
 
 
 def offline_throughput(weights: Path, data: Path, sentences: int, beam: int, threads: int) -> float:

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from model import checkpoint
-from model.config import ModelConfig
 from model.data import MULTI30K_DIR, read_lines
 from model.tokenizer import Tokenizer, train_tokenizer
 from model.transformer import Transformer
+from tests.factories import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = MULTI30K_DIR
@@ -40,23 +40,6 @@ def tiny_tokenizer(data_dir: Path) -> Tokenizer:
     de = read_lines(data_dir / "train.de.gz")[:2000]
     en = read_lines(data_dir / "train.en.gz")[:2000]
     return train_tokenizer(de + en, vocab_size=1000)
-
-
-def tiny_config(vocab: int, **overrides: object) -> ModelConfig:
-    base: dict[str, object] = dict(
-        src_vocab_size=vocab,
-        tgt_vocab_size=vocab,
-        d_model=32,
-        n_heads=4,
-        encoder_layers=2,
-        decoder_layers=2,
-        d_ff=64,
-        dropout=0.0,
-        attention_dropout=0.0,
-        max_positions=128,
-    )
-    base.update(overrides)
-    return ModelConfig(**base)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from model.data import pad
 from model.decoding import DecodingOptions, Finished, Hypothesis, decode
 from model.transformer import Transformer
 from model.translator import IdsSession
-from tests.model.test_decoding import make_model
+from tests.factories import make_model
 
 LIMITS = BatchLimits(max_sentences=8, max_tokens=1000, max_wait_s=0.0, queue_size=100)
 GREEDY = DecodingOptions(beam_size=1)

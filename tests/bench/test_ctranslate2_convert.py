@@ -8,16 +8,14 @@ from typing import Any
 
 import ctranslate2
 import pytest
-import torch
 
 from bench.ctranslate2_convert import convert, main
 from model import checkpoint
 from model.data import read_lines
 from model.decoding import DecodingOptions, Hypothesis
 from model.tokenizer import Tokenizer
-from model.transformer import Transformer
 from model.translator import Translator
-from tests.conftest import tiny_config
+from tests.factories import random_model
 
 LIMIT = 20  # generated tokens, EOS included, for every sentence
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -28,17 +26,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # every other switch: pre-LN (final norms), separate output matrix, learned positions
     "pre-ln-untied-learned": {"norm_first": True, "share_embeddings": False, "positions": "learned"},
 }
-
-
-def random_model(vocab: int, eos_scale: float = 1.0, **overrides: object) -> Transformer:
-    """A random model whose output distribution is sharp enough to avoid near-ties."""
-    torch.manual_seed(0)
-    model = Transformer(tiny_config(vocab, **overrides)).eval()
-    with torch.no_grad():
-        output = model.output.weight if model.output is not None else model.tgt_embed.tokens.weight
-        output.mul_(4.0)
-        output[model.config.eos_id].mul_(eos_scale)
-    return model
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

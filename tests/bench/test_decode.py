@@ -17,7 +17,7 @@ from model.data import read_lines
 from model.decoding import DecodingOptions, max_steps
 from model.tokenizer import Tokenizer
 from model.translator import Translator
-from tests.bench.test_ctranslate2_convert import random_model
+from tests.factories import random_model
 from tests.helpers import ROOT
 
 KEYS = {

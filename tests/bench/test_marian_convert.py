@@ -16,8 +16,8 @@ from model.decoding import DecodingOptions
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from model.translator import Translator
-from tests.bench.test_ctranslate2_convert import random_model
 from tests.conftest import require
+from tests.factories import random_model
 
 LIMIT = 20
 

@@ -14,7 +14,7 @@ from model.checkpoint import CheckpointError
 from model.decoding import DecodingOptions
 from model.tokenizer import Tokenizer
 from model.translator import Translator
-from tests.conftest import tiny_config
+from tests.factories import tiny_config
 
 SENTENCES = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee auf einer Wiese."]
 

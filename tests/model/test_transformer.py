@@ -8,7 +8,7 @@ import torch
 from model.config import ModelConfig
 from model.masks import causal_mask, padding_mask
 from model.transformer import Transformer, sinusoidal_table
-from tests.model.test_decoding import make_model
+from tests.factories import make_model
 
 
 def test_masks_follow_the_true_means_attend_convention() -> None:
