@@ -172,8 +172,8 @@ class BatchScheduler:
 
         All model work runs on the worker thread, warm-up included. torch's OpenMP pool is per
         calling thread, and once more pool threads exist than cores (say, the warm-up's pool
-        in another thread that lives on), libgomp throttles their spin-waiting: single-sentence
-        decoding on the worker then took 2x as long (86 against 42 ms, beam 4, this machine).
+        in another thread that lives on), libgomp throttles their spin-waiting and decoding on
+        the worker slows down about 2x (docs/benchmarks.md "Numbers behind the code").
         """
         started = threading.Event()
         failure: list[BaseException] = []
@@ -451,8 +451,8 @@ def _deliver(job: Work, result: Any) -> None:
 
 def _deliver_all(answers: Sequence[tuple[Job, list[Hypothesis]]]) -> None:
     """Answer a step's sentences with one wake-up per event loop: each ``call_soon_threadsafe``
-    writes to the loop's self-pipe, 4% of the batcher thread's py-spy samples at 64 clients
-    (end to end the change was within this machine's drift)."""
+    writes to the loop's self-pipe, a visible share of the batcher thread's time at 64 clients
+    (docs/benchmarks.md "Numbers behind the code")."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, list[Hypothesis]]]] = {}
     for job, result in answers:
         by_loop.setdefault(job.loop, []).append((job, result))

@@ -52,8 +52,8 @@ freed during setup (e.g. the float32 weights a converter read) is handed back to
 (``malloc_trim``) before the run so it is not counted. By default each system runs in its own
 process (``--no-isolate`` runs them all in this one), so systems share no memory, thread
 pools or allocator caches, and a CTranslate2 process imports ``ctranslate2`` before torch: the
-other way round, CTranslate2 bound to torch's OpenMP runtime and ran 2-6x slower (every
-CTranslate2 figure measured before that fix was too low). On CUDA it is
+other way round, CTranslate2 bound to torch's OpenMP runtime and ran several times slower
+(every CTranslate2 figure measured before that fix was too low; docs/benchmarks.md). On CUDA it is
 ``torch.cuda.max_memory_allocated`` during the run minus the allocation before setup (torch
 systems only; null for CTranslate2, whose allocator torch cannot see).
 """
@@ -333,7 +333,7 @@ def measure(
     system: str, settings: Settings, src: list[str], ref: list[str], warmup: int, repeat: int = 1
 ) -> dict[str, Any]:
     """Set up one system, warm it up, time ``repeat`` passes over ``src`` (the median counts:
-    this machine's speed drifts by 10-20% between runs) and score the output."""
+    a small machine's speed drifts between runs) and score the output."""
     spec = SYSTEMS[system]
     if spec.runtime is not None:
         importlib.import_module(spec.runtime)
@@ -400,10 +400,9 @@ def run_isolated(system: str, argv: Sequence[str]) -> list[str]:
     """Run one system in a child process of this module (same cwd); return its JSON lines."""
     cmd = [sys.executable, "-m", "bench.decode", *argv, "--systems", system, "--no-isolate"]
     if SYSTEMS[system].ctranslate2:
-        # CTranslate2 first, then torch (bench.decode imports it): imported after torch, it ran
-        # 6x slower one sentence at a time (60 against 9.6 ms, beam 4) and 2x slower in batches
-        # of 64 (greedy 355 against 722 sentences/s); both libraries bring an OpenMP runtime,
-        # and the order of loading decides which one it binds to. (docs/benchmarks.md)
+        # CTranslate2 first, then torch (bench.decode imports it): both libraries bring an
+        # OpenMP runtime and the order of loading decides which one CTranslate2 binds to;
+        # imported after torch it ran several times slower (docs/benchmarks.md "Numbers behind the code").
         cmd[1:3] = ["-c", CTRANSLATE2_FIRST]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False, env={**os.environ, "PYTHONPATH": path})

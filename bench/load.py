@@ -9,7 +9,7 @@ for each concurrency runs that many clients, each sending its next test_2016_fli
 sentence as soon as its previous answer arrives, until ``--requests`` are done. One JSON
 line per run: concurrency, batching, requests, rps, p50_ms, p95_ms, p99_ms, errors. With
 ``--rounds N`` the sweep runs N times (servers restarted, modes alternating) and each row is
-the round with the median requests/s, plus ``rounds_rps``: this machine drifts 10-20%.
+the round with the median requests/s, plus ``rounds_rps`` (a small machine's speed drifts).
 ``--url`` measures a LibreTranslate-compatible server that is already running (ours, or
 LibreTranslate itself: its rows say ``"batching": "external"``). Rows of servers that send
 ``Server-Timing`` (ours) get ``phases_ms``: each phase's median over the run's requests.
@@ -18,8 +18,9 @@ LibreTranslate itself: its rows say ``"batching": "external"``). Rows of servers
 row: how close serving comes to the model's own batched throughput.
 The clients run in this process, on the same machine as the server, so they share its CPU:
 they speak HTTP/1.1 over keep-alive connections through asyncio streams (``Connection``),
-which cost ~0.13 ms of CPU per request where httpx's async client cost ~4.3 ms, about 40% of
-a core at 64 clients that the server then did not have.
+which cost a small fraction of the CPU httpx's async client took per request; with httpx the
+clients took a large share of the cores the server needed (docs/benchmarks.md "Numbers behind
+the code").
 """
 
 from __future__ import annotations

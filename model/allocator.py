@@ -3,8 +3,9 @@
 torch's CPU allocator has no cache: every tensor is a fresh ``malloc``. glibc serves blocks
 above ``M_MMAP_THRESHOLD`` (128 KiB at first) with a new ``mmap`` and unmaps them on free, so
 each decoding step's logits and beam buffers (megabytes) are faulted in and zeroed page by
-page, again and again. Keeping such blocks in the heap (and not trimming it) cut minor page
-faults about 10x and decoding time 12-18% here (docs/benchmarks.md). The cost is that the
+page, again and again. Keeping such blocks in the heap (and not trimming it) saves most of
+those page faults and a good part of decoding time (docs/benchmarks.md "Numbers behind the
+code"). The cost is that the
 process keeps its peak heap resident instead of returning it to the OS between batches.
 """
 
@@ -49,9 +50,8 @@ def release_free_memory() -> bool:
 
 
 # oneDNN caches one compiled primitive per (operation, shapes); the decoder's row counts change
-# every step, so a server compiles hundreds. 64 entries: the memory soak (bench.soak, 1,500
-# varied requests) ended at ~890 MiB instead of ~1,250 MiB, for ~5% less offline decoding
-# throughput (docs/reliability.md "Memory").
+# every step, so a server compiles hundreds and keeps them all. 64 entries bound that memory
+# for a few percent of throughput (docs/benchmarks.md "Numbers behind the code", docs/reliability.md "Memory").
 ONEDNN_PRIMITIVE_CACHE = 64
 
 

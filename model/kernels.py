@@ -10,7 +10,7 @@ CPU flags. ``choose`` maps (device, precision, CPU features) to a ``KernelPlan``
 | float32 | no AVX2 | ``aten`` | ``F.linear``; torch's oneDNN weight packing is only trusted on x86 |
 | bfloat16 | AVX-512 BW/VL/DQ or AVX-NE-CONVERT | ``onednn`` | what torch's oneDNN bf16 reorder requires |
 | bfloat16 | less | ``aten`` | works, slowly; logged once at load |
-| float16 | any | ``aten`` | torch has no fast fp16 CPU GEMM (6.3x slower than fp32); logged |
+| float16 | any | ``aten`` | torch has no fast fp16 CPU GEMM (several times slower than fp32); logged |
 | int8 | AVX2 and fbgemm | ``fbgemm-int8`` | weights int8 per output channel, activations quantized per call |
 | int8 | no AVX2 | refused | fbgemm needs AVX2; ``UnsupportedPrecision`` names the setting |
 
@@ -49,9 +49,9 @@ log = logging.getLogger(__name__)
 
 FLOAT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# At one row (greedy search of one sentence) ``F.linear`` beat the packed oneDNN call for
-# the layers up to 1,024 outputs (4.7 against 17 us at 256x256), and lost for the
-# 8,000-way output projection (127 against 65 us): docs/benchmarks.md "Linear kernels".
+# At one row (greedy search of one sentence) ``F.linear`` beats the packed oneDNN call for the
+# model's inner layers and loses for the vocabulary-wide output projection
+# (docs/benchmarks.md "Numbers behind the code").
 ATEN_MAX_ROWS = 1
 ATEN_MAX_OUT = 4096
 
@@ -194,7 +194,7 @@ def choose(
         )  # fmt: skip
     return KernelPlan(
         "cpu", "float16", torch.float16, "aten", f.isa,
-        warning="TRANSLATOR_DTYPE=float16 on the CPU runs on a slow path (6.3x slower than float32 measured); "
+        warning="TRANSLATOR_DTYPE=float16 on the CPU runs on a slow path (several times slower than float32); "
         "use float32 or int8",
     )  # fmt: skip
 

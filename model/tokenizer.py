@@ -45,8 +45,8 @@ class Tokenizer:
         return int(self.sp.get_piece_size())
 
     # One call per text: sentencepiece's list API starts a thread pool on every call, which
-    # measured ~95 us per call against ~3 us per text this way (and it competes with the
-    # model's threads in the service).
+    # costs far more than the encoding itself and competes with the model's threads in the
+    # service (docs/benchmarks.md "Numbers behind the code").
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Encode texts to ids (no BOS/EOS)."""
         return [list(self.sp.encode(text, out_type=int)) for text in texts]
