@@ -77,6 +77,19 @@ class Metrics:
         )
         for stage in ("queued", "running"):
             self.cancelled.labels(stage)  # both series exist (at 0) from start-up
+        self.rate_limited = Counter(
+            "translator_rate_limited_requests",
+            "Requests refused with 429 because their client used up a window (app/ratelimit.py)",
+            ["window"],
+            registry=r,
+        )
+        for window in ("minute", "hour", "day"):
+            self.rate_limited.labels(window)
+        self.rate_limit_errors = Counter(
+            "translator_rate_limit_storage_errors",
+            "Requests let through unlimited because the rate-limit storage (Redis) failed",
+            registry=r,
+        )
         self.cache_hits = Counter("translator_cache_hits", "Sentences answered from the cache", registry=r)
         self.cache_misses = Counter("translator_cache_misses", "Sentences not in the cache", registry=r)
         self.model_info = Gauge(

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from model.precision import Precision
+
+
+class KeyLimits(BaseModel):
+    """Limits one API key carries instead of the server-wide ones (None: the server's)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    req_limit: int | None = Field(None, ge=0, description="requests per minute (0: no limit)")
+    hourly_req_limit: int | None = Field(None, ge=0, description="requests per hour (0: no limit)")
+    daily_req_limit: int | None = Field(None, ge=0, description="requests per day (0: no limit)")
+    char_limit: int | None = Field(None, ge=0, description="characters per request (0: no limit)")
 
 
 class Settings(BaseSettings):
@@ -51,6 +63,37 @@ class Settings(BaseSettings):
         default_factory=list, description="comma-separated keys; empty: no authentication"
     )
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list, description="comma-separated origins")
+
+    # Per-client limits, named after LibreTranslate's (LT_REQ_LIMIT, ...): app/ratelimit.py
+    req_limit: int = Field(0, ge=0, description="requests per minute per client (API key, else address); 0: no limit")
+    hourly_req_limit: int = Field(0, ge=0, description="requests per hour per client; 0: no limit")
+    daily_req_limit: int = Field(0, ge=0, description="requests per day per client; 0: no limit")
+    char_limit: int = Field(0, ge=0, description="characters per request, all texts together; 0: no limit")
+    req_limit_storage: str = Field(
+        "memory://",
+        pattern=r"^(async\+)?(memory|redis|rediss|redis\+sentinel|redis\+cluster)://",
+        description="where the rate-limit counters live: memory:// (this process) or redis://host:6379 "
+        "(shared by every replica)",
+    )
+    api_key_limits: dict[str, KeyLimits] = Field(
+        default_factory=dict,
+        description='JSON: limits of particular API keys, e.g. {"KEY": {"req_limit": 600, "char_limit": 20000}} '
+        "(fields: req_limit, hourly_req_limit, daily_req_limit, char_limit; absent: the server's); "
+        "a key listed here is a valid key",
+    )
+
+    @field_validator("api_key_limits", mode="before")
+    @classmethod
+    def _json_object(cls, value: object) -> object:
+        """A flag's value is text: decode it as the environment variable's is."""
+        if isinstance(value, str):
+            return json.loads(value) if value.strip() else {}
+        return value
+
+    @property
+    def known_keys(self) -> frozenset[str]:
+        """Every valid API key: those of ``api_keys`` and those with limits of their own."""
+        return frozenset(self.api_keys) | frozenset(self.api_key_limits)
 
     @field_validator("api_keys", "cors_origins", mode="before")
     @classmethod

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -58,3 +60,36 @@ def shipped() -> Path:
     """The shipped de-en checkpoint (committed, so CI always has it)."""
     require(SHIPPED.is_dir(), f"shipped weights not found at {SHIPPED}")
     return SHIPPED
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server (Debian's package) on a free port, for the tests' lifetime."""
+    import shutil
+    import subprocess
+
+    from bench.server import free_port
+
+    binary = shutil.which("redis-server")
+    require(binary is not None, "redis-server not installed (apt-get install redis-server)")
+    assert binary is not None
+    port = free_port()
+    folder = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(folder)],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        import redis
+
+        client = redis.Redis(port=port)
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
