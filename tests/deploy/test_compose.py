@@ -119,6 +119,18 @@ def test_every_setting_but_address_and_weights_passes_through(cpu: dict[str, Any
     assert translator["environment"]["TRANSLATOR_QUEUE_SIZE"] is None, "unset: the service's default"
 
 
+def test_the_redis_profile_adds_a_counter_store_for_rate_limits() -> None:
+    assert "redis" not in resolved(BASE)["services"]  # not started unless asked for
+    env = {"COMPOSE_PROFILES": "redis", "TRANSLATOR_REQ_LIMIT_STORAGE": "redis://redis:6379"}
+    services = resolved(BASE, env=env)["services"]
+    redis = services["redis"]
+    assert redis["image"].startswith("redis:") and redis["healthcheck"]["test"][-2:] == ["redis-cli", "ping"]
+    assert redis["restart"] == "unless-stopped" and redis["mem_limit"]
+    assert "6379" not in json.dumps(redis.get("ports", []))  # reachable by the translator only
+    storage = services["translator"]["environment"]["TRANSLATOR_REQ_LIMIT_STORAGE"]
+    assert Settings(req_limit_storage=storage).req_limit_storage == "redis://redis:6379"
+
+
 def test_prometheus_config_passes_promtool() -> None:
     promtool = find_tool("promtool", "apt-get install prometheus")
     done = subprocess.run([promtool, "check", "config", PROMETHEUS_YML], capture_output=True, text=True)
