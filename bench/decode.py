@@ -90,6 +90,7 @@ from model.checkpoint import Checkpoint
 from model.data import MULTI30K_DIR, pad, read_lines, token_batches
 from model.decoding import DecodingOptions, max_steps
 from model.evaluate import recommended_options, score_translations
+from model.progress import progress
 from model.translator import Translator
 
 log = logging.getLogger(__name__)
@@ -345,10 +346,12 @@ def measure(
         translate(src[:warmup])
         meter.start()
         runs = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            out = translate(src)
-            runs.append(time.perf_counter() - start)
+        with progress(repeat, f"{system}: timed passes of {len(src)} sentences", unit="pass") as bar:
+            for _ in range(repeat):
+                start = time.perf_counter()
+                out = translate(src)
+                runs.append(time.perf_counter() - start)
+                bar.update()
         peak = meter.stop()
     seconds = median(runs)
     unbatched = not spec.batched

@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 from bench.server import ROOT, running_server
 from bench.stats import median, median_row, percentile
 from model.data import MULTI30K_DIR, read_lines
+from model.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
     phases: dict[str, list[float]] = {}
     errors = 0
     counter = iter(range(requests))
+    bar = progress(requests, f"{concurrency} clients", unit="request")
 
     async def client() -> None:
         nonlocal errors
@@ -144,13 +146,15 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
                     ok = False
                 latencies.append(time.perf_counter() - start)
                 errors += not ok
+                bar.update()
                 for name, ms in server_timing(connection.headers.get("server-timing", "") if ok else "").items():
                     phases.setdefault(name, []).append(ms)
         finally:
             connection.close()
 
     start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
+    with bar:
+        await asyncio.gather(*(client() for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
     ms = [1000 * x for x in latencies]
     return LoadResult(

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.load import ROOT, Connection, server
 from model.data import MULTI30K_DIR, read_lines
+from model.progress import progress
 
 BEAMS = (1, 2, 4, 8)
 
@@ -54,6 +55,7 @@ async def soak(url: str, sentences: list[str], requests: int, concurrency: int, 
     counter = iter(range(requests))
     done = 0
     errors = 0
+    bar = progress(requests, "soak", unit="request")
 
     async def client() -> None:
         nonlocal done, errors
@@ -63,6 +65,7 @@ async def soak(url: str, sentences: list[str], requests: int, concurrency: int, 
                 status, _ = await connection.post_json("/translate", request_body(sentences, i))
                 errors += status != 200
                 done += 1
+                bar.update()
                 if done % every == 0:
                     rss = await asyncio.to_thread(rss_mb, url)
                     samples.append({"requests": done, "rss_mb": rss})
@@ -70,7 +73,8 @@ async def soak(url: str, sentences: list[str], requests: int, concurrency: int, 
         finally:
             connection.close()
 
-    await asyncio.gather(*(client() for _ in range(concurrency)))
+    with bar:
+        await asyncio.gather(*(client() for _ in range(concurrency)))
     if errors:
         raise RuntimeError(f"{errors} of {requests} requests failed")
     return samples

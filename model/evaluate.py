@@ -25,6 +25,7 @@ from model import checkpoint, kernels
 from model.allocator import tune_malloc
 from model.data import read_lines, read_parallel, split_file
 from model.decoding import DecodingOptions
+from model.progress import progress
 from model.translator import Translator
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,12 @@ def evaluate(
     """Translate ``src`` and score against ``ref``; timing covers tokenization to text."""
     start = time.perf_counter()
     hyps: list[str] = []
-    for i in range(0, len(src), batch_size * 8):  # chunks keep length-sorting effective yet bounded
-        chunk = translator.translate(src[i : i + batch_size * 8], options, max_batch_tokens=batch_size * 32)
-        hyps.extend(t.text for t in chunk)
+    with progress(len(src), f"translating (beam {options.beam_size})") as bar:
+        for i in range(0, len(src), batch_size * 8):  # chunks keep length-sorting effective yet bounded
+            chunk = translator.translate(
+                src[i : i + batch_size * 8], options, max_batch_tokens=batch_size * 32, on_done=bar.update
+            )
+            hyps.extend(t.text for t in chunk)
     seconds = time.perf_counter() - start
     return {
         **score_translations(hyps, ref),

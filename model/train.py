@@ -28,6 +28,7 @@ from model import checkpoint
 from model.data import Batch, Parallel, TokenizedCorpus, clean, read_parallel, split_file
 from model.decoding import DecodingOptions
 from model.evaluate import measure_checkpoint, score_translations
+from model.progress import progress
 from model.tokenizer import Tokenizer, train_tokenizer
 from model.train_config import TrainConfig, load_train_config
 from model.train_state import average_files, load_state, save_state
@@ -134,7 +135,7 @@ class Trainer:
         if max_steps is not None:
             batches = batches[: max_steps * o.accumulate]
         total_loss, total_tokens, start = 0.0, 0, time.perf_counter()
-        bar = tqdm(batches, desc=f"epoch {self.epoch + 1}", unit="batch", mininterval=2.0, leave=False)
+        bar = tqdm(batches, desc=f"epoch {self.epoch + 1}", unit="batch", mininterval=2.0, leave=False, disable=None)
         group: list[Batch] = []
         for batch in bar:
             group.append(batch)
@@ -168,7 +169,10 @@ class Trainer:
         for batch in self.valid_data.batches(self.cfg.optim.max_tokens, shuffle=False):
             total += float(self._loss(batch))
             tokens += batch.target_tokens
-        hyps = Translator(self.model, self.tokenizer).translate(self.valid_text.src, DecodingOptions(beam_size=1))
+        with progress(len(self.valid_text.src), "validation BLEU (greedy)") as bar:
+            hyps = Translator(self.model, self.tokenizer).translate(
+                self.valid_text.src, DecodingOptions(beam_size=1), on_done=bar.update
+            )
         bleu = score_translations([h.text for h in hyps], self.valid_text.tgt)["bleu"]
         return total / tokens, bleu
 

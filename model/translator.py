@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -137,14 +137,21 @@ class Translator:
         )
 
     def translate(
-        self, texts: Sequence[str], options: DecodingOptions, max_batch_tokens: int = 4096
+        self,
+        texts: Sequence[str],
+        options: DecodingOptions,
+        max_batch_tokens: int = 4096,
+        on_done: Callable[[int], object] | None = None,
     ) -> list[Translation]:
-        """Translate many sentences: sort by length, decode in token-bounded batches, unsort."""
+        """Translate many sentences: sort by length, decode in token-bounded batches, unsort.
+        ``on_done(n)`` is told after each batch how many sentences it finished (progress)."""
         ids = self.encode(texts)
         results: dict[int, Translation] = {}
         for chunk in token_batches([len(i) + 1 for i in ids], max_batch_tokens):  # (+ EOS)
             for i, hyps in zip(chunk, self.decode_ids([ids[i] for i in chunk], options), strict=True):
                 results[i] = self.to_translation(ids[i], hyps)
+            if on_done is not None:
+                on_done(len(chunk))
         return [results[i] for i in range(len(ids))]
 
     @torch.inference_mode()
