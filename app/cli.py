@@ -95,7 +95,10 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], None] | None]] = {
     "serve": ("serve the checkpoints under the weights folder over HTTP", None),
     "train": ("train a model from a config in configs/ (reproduces the shipped weights)", _train),
     "evaluate": ("translate a test set and score it with sacreBLEU", _evaluate),
-    "plot": ("draw every head of one attention layer of a translation as heatmaps", _plot),
+    "plot": (
+        "draw a translation's attention heads as heatmaps, or a training run's curves (plot training RUN_DIR)",
+        _plot,
+    ),
     "bench": ("run a benchmark from bench/ (decode, load, overload, soak, ...)", _bench),
 }
 

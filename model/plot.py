@@ -1,7 +1,13 @@
-"""Plot every head of one attention layer as a grid of heatmaps (matplotlib, Agg; no display needed).
+"""Pictures (matplotlib, Agg; no display needed): every head of one attention layer as a grid of
+heatmaps, or a training run's curves.
 
-    python -m model.plot --weights weights/de-en --text "Zwei Männer spielen Fußball." --out attn.png \\
-        [--kind cross|encoder|decoder] [--layer N] [--level subword|word] [--beam-size N]
+    translator plot [attention] --weights weights/de-en --text "Zwei Männer spielen Fußball." \\
+        --out attn.png [--kind cross|encoder|decoder] [--layer N] [--level subword|word] [--beam-size N]
+    translator plot training RUN_DIR [--out FILE]   # loss, learning rate, val BLEU per epoch
+
+(``python -m model.plot`` takes the same arguments.) The training picture reads the run's
+``log.jsonl`` (one record per epoch, written by ``translator train``) and is written to
+``RUN_DIR/training.png`` unless ``--out`` says otherwise.
 
 Rows are queries, columns are keys: for ``cross`` the target tokens attend to the source
 tokens, for ``encoder`` the source to itself, for ``decoder`` the target to the tokens it reads
@@ -12,8 +18,10 @@ teacher-forced pass over it, so they belong to exactly the translation in the ti
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
+import sys
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -147,8 +155,84 @@ def plot_translation(
     return plot_layer(selected, figure_title(text, translation, selected))
 
 
+def read_log(run_dir: Path) -> list[dict[str, float]]:
+    """The epoch records of a training run (``RUN_DIR/log.jsonl``), in epoch order; a resumed
+    run's repeated epochs count once (the last record wins)."""
+    path = run_dir / "log.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{path} not found: is {run_dir} a training run folder?")
+    by_epoch: dict[int, dict[str, float]] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            by_epoch[int(record["epoch"])] = record
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}, line {number}: not an epoch record ({err})") from None
+    if not by_epoch:
+        raise ValueError(f"{path} has no epoch records yet")
+    return [by_epoch[e] for e in sorted(by_epoch)]
+
+
+def plot_training(records: Sequence[dict[str, float]], title: str = "") -> Figure:
+    """Three panels over epochs: training and validation loss per token, the learning rate at
+    the end of each epoch, and validation BLEU (greedy) with its best epoch marked."""
+    epochs = [int(r["epoch"]) for r in records]
+    fig = Figure(figsize=(13, 3.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    loss, lr, bleu = (fig.add_subplot(1, 3, i + 1, label=name) for i, name in enumerate(("loss", "lr", "bleu")))
+    loss.plot(epochs, [r["train_loss"] for r in records], marker="o", label="train")
+    loss.plot(epochs, [r["valid_loss"] for r in records], marker="o", label="validation")
+    loss.set(title="loss per token", xlabel="epoch")
+    loss.legend()
+    lr.plot(epochs, [r["lr"] for r in records], marker="o", color="tab:purple")
+    lr.set(title="learning rate (end of epoch)", xlabel="epoch")
+    lr.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    scores = [r["valid_bleu"] for r in records]
+    bleu.plot(epochs, scores, marker="o", color="tab:green")
+    best = max(range(len(scores)), key=scores.__getitem__)
+    bleu.annotate(f"best {scores[best]:.2f} (epoch {epochs[best]})", (epochs[best], scores[best]),
+                  textcoords="offset points", xytext=(0, -16), ha="center", fontsize=9)  # fmt: skip
+    bleu.set(title="validation BLEU (greedy)", xlabel="epoch")
+    for ax in (loss, lr, bleu):
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def training_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog=f"{_prog()} training", description="Plot loss, learning rate and validation BLEU per epoch."
+    )
+    parser.add_argument("run_dir", type=Path, help="a training run folder (holds log.jsonl)")
+    parser.add_argument("--out", type=Path, help="image file to write (default: RUN_DIR/training.png)")
+    parser.add_argument("--dpi", type=int, default=120)
+    args = parser.parse_args(argv)
+    try:
+        fig = plot_training(read_log(args.run_dir), title=f"training run {args.run_dir.resolve().name}")
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
+    out = args.out or args.run_dir / "training.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=args.dpi)
+    log.info("wrote %s", out)
+    return 0
+
+
+def _prog() -> str:
+    """How this command was called (``translator plot`` or ``python -m model.plot``)."""
+    return "translator plot" if "translator" in Path(sys.argv[0]).name else "python -m model.plot"
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog=f"{_prog()} [attention]",
+        description=__doc__.split("\n\n")[0].replace("\n", " "),
+        epilog=f"A training run's curves: {_prog()} training RUN_DIR [--out FILE]",
+    )
     parser.add_argument("--weights", required=True, type=Path, help="checkpoint folder, e.g. weights/de-en")
     parser.add_argument("--text", required=True, help="source sentence")
     parser.add_argument("--out", required=True, type=Path, help="image file to write (.png, .svg, .pdf)")
@@ -161,8 +245,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if argv[:1] == ["training"]:
+        return training_main(argv[1:])
+    args = parse_args(argv[1:] if argv[:1] == ["attention"] else argv)
     try:
         ckpt = checkpoint.load(args.weights)
         translator = Translator(ckpt.model, ckpt.tokenizer)

@@ -184,3 +184,6 @@ def test_every_command_the_image_offers_runs_in_it(installed: Installed, data_di
     plotted = run("plot", "--weights", str(model), "--text", "Ein Hund rennt.", "--out", str(image), "--beam-size", "1")
     assert plotted.returncode == 0, plotted.stderr[-3000:]
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    curves = run("plot", "training", str(tmp_path / "run"))
+    assert curves.returncode == 0, curves.stderr[-3000:]
+    assert (tmp_path / "run" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from matplotlib.image import imread
 
 from model import checkpoint
 from model.decoding import DecodingOptions
-from model.plot import grid_shape, layer_maps, main, plot_translation, translate_with_attention
+from model.plot import grid_shape, layer_maps, main, plot_training, plot_translation, read_log, translate_with_attention
 from model.translator import Translator
 from tests.helpers import ROOT
 
@@ -97,3 +98,39 @@ def test_grid_shape() -> None:
     assert grid_shape(4) == (2, 2)
     assert grid_shape(8) == (2, 4)
     assert grid_shape(3) == (2, 2)
+
+
+RECORDS = [
+    {"epoch": 1, "step": 10, "train_loss": 6.0, "valid_loss": 5.5, "valid_bleu": 3.0, "lr": 1e-4, "tokens_per_s": 1.0,
+     "seconds": 1.0},
+    {"epoch": 2, "step": 20, "train_loss": 4.0, "valid_loss": 4.2, "valid_bleu": 12.5, "lr": 5e-4, "tokens_per_s": 1.0,
+     "seconds": 1.0},
+    {"epoch": 3, "step": 30, "train_loss": 3.1, "valid_loss": 3.9, "valid_bleu": 11.0, "lr": 4e-4, "tokens_per_s": 1.0,
+     "seconds": 1.0},
+]  # fmt: skip
+
+
+def write_log(run: Path, records: list[dict[str, float]]) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_training_curves_plot_each_epoch_record(tmp_path: Path) -> None:
+    write_log(tmp_path / "run", [*RECORDS[:2], {**RECORDS[1], "valid_bleu": 12.0}, RECORDS[2]])  # epoch 2 resumed
+    records = read_log(tmp_path / "run")
+    assert [r["epoch"] for r in records] == [1, 2, 3] and records[1]["valid_bleu"] == 12.0  # the last record wins
+    fig = plot_training(records)
+    panels = {ax.get_label(): ax for ax in fig.axes}
+    train, valid = panels["loss"].get_lines()
+    assert list(train.get_ydata()) == [6.0, 4.0, 3.1] and list(valid.get_ydata()) == [5.5, 4.2, 3.9]
+    assert list(panels["lr"].get_lines()[0].get_ydata()) == [1e-4, 5e-4, 4e-4]
+    assert list(panels["bleu"].get_lines()[0].get_xdata()) == [1, 2, 3]
+    assert "best 12.00 (epoch 2)" in [t.get_text() for t in panels["bleu"].texts]
+
+
+def test_plot_training_command_writes_the_run_picture(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    write_log(tmp_path / "run", RECORDS)
+    assert main(["training", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["training", str(tmp_path / "nothing-here")]) == 2
+    assert "log.jsonl not found" in caplog.text
