@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from bench.load import Connection, server_timing
-from bench.plot import plot, read_rows
+from bench.plot import decode_figure, plot, plot_decode, plot_serving, read_rows
+from bench.plot import main as plot_main
 from bench.stats import percentile
 from tests.helpers import ROOT, free_port, running_server
 
@@ -129,3 +130,35 @@ def test_overload_bench_counts_rejections_and_retries_until_served(tiny_weights_
         assert row["errors"] == 0 and row["requests"] == 48 and row["goodput_rps"] > 0
     assert impatient["rejected"] > 0 and impatient["reject_p50_ms"] <= impatient["reject_p99_ms"]
     assert ratio["impatient_over_polite"] == round(impatient["goodput_rps"] / polite["goodput_rps"], 3)
+
+
+DECODE_ROWS = [
+    {"system": s, "dtype": d, "beam_size": b, "sentences_per_s": v, "cpu": "AMD EPYC", "isa": "avx2", "threads": 2,
+     "device": "cpu"}
+    for s, d, b, v in [("ours", "float32", 1, 150.0), ("ctranslate2", "float32", 1, 300.0),
+                       ("ours", "int8", 4, 120.0), ("ctranslate2", "int8", 4, 100.0)]
+]  # fmt: skip
+
+
+def test_decode_chart_has_a_bar_per_system_and_setting_with_its_ratio(tmp_path: Path) -> None:
+    assert plot_decode(DECODE_ROWS, tmp_path / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ax = decode_figure(DECODE_ROWS).axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["float32 beam 1", "int8 beam 4"]
+    heights = {c.get_label(): [round(b.get_height()) for b in c] for c in ax.containers}
+    assert heights == {"ours": [150, 120], "ctranslate2": [300, 100]}
+    texts = [t.get_text() for t in ax.texts]
+    assert "150\n0.50x" in texts and "120\n1.20x" in texts and "300" in texts  # the peer has no ratio
+
+
+def test_serving_chart_from_several_runs_and_the_command_line(tmp_path: Path) -> None:
+    row = {"batching": "on", "requests": 10, "p50_ms": 10.0, "p95_ms": 20.0, "p99_ms": 30.0}
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text("log line\n" + "\n".join(json.dumps({**row, "concurrency": c, "rps": c * 2.0}) for c in (1, 4)))
+    second.write_text(json.dumps({**row, "batching": "external", "concurrency": 4, "rps": 5.0}))
+    runs = {"A": read_rows(first.read_text().splitlines()), "B": read_rows(second.read_text().splitlines())}
+    assert plot_serving(runs, tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = tmp_path / "cli.png"
+    plot_main(["serving", str(first), str(second), "--labels", "A,B", "--out", str(out)])
+    assert out.is_file()
+    with pytest.raises(SystemExit):
+        plot_main(["serving", str(first), str(second), "--labels", "A", "--out", str(out)])
