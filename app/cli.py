@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import typing
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from importlib import metadata
 
 from pydantic import ValidationError
 
+from app.logs import configure_logging
 from app.settings import Settings
 
 DISTRIBUTION = "transformer-translator"
@@ -51,7 +53,7 @@ def _plot(argv: list[str]) -> None:
         raise SystemExit(
             "translator plot needs matplotlib, an optional dependency: pip install 'transformer-translator[plot]'"
         ) from None
-    main(argv)
+    raise SystemExit(main(argv))  # its status: 2 for a bad run folder, text or layer
 
 
 # The benchmarks in bench/ (`translator bench NAME --help`); they need the dev extra's peers.
@@ -143,7 +145,6 @@ def serve(argv: list[str]) -> None:
     import uvicorn
 
     from app.main import create_app
-    from app.middleware import configure_logging
 
     settings = serve_settings(argv)
     configure_logging(settings.log_level)
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     command, rest = argv[0], argv[1:]
     runner = COMMANDS[command][1]
+    configure_logging(os.environ.get("TRANSLATOR_LOG_LEVEL", "info"))  # serve: again, from its settings
     if runner is None:
         serve(rest)
     else:

@@ -1,4 +1,5 @@
-"""Every error leaves the service as JSON ``{"error": ..., "error_type": ...}``."""
+"""Every error leaves the service as JSON ``{"error": ..., "error_type": ..., "request_id": ...}``
+(the request id is also the ``X-Request-ID`` header and in the logs of that request)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.logs import request_id_var
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,8 @@ class ApiError(Exception):
 def error_response(
     status: int, error_type: str, message: str, headers: dict[str, str] | None = None, **extra: Any
 ) -> JSONResponse:
-    return JSONResponse({"error": message, "error_type": error_type, **extra}, status_code=status, headers=headers)
+    body = {"error": message, "error_type": error_type, "request_id": request_id_var.get(), **extra}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def describe_validation(errors: list[Any]) -> str:

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from app import errors, openapi
+from app import errors, openapi, tracing
 from app.cli import version
 from app.middleware import BodyLimitMiddleware, JsonCorsMiddleware, RequestContextMiddleware
 from app.routes import STATIC, router
@@ -31,6 +31,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     OpenMP pool of whatever torch work they did; see ``BatchScheduler.start``)."""
     state: AppState = app.state.translator
     state.check()  # a setting this machine cannot run fails start-up here, before serving anything
+    tracing.configure()  # spans over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set (app/tracing.py)
     state.drain_on_signals(asyncio.get_running_loop())
     loader = threading.Thread(target=state.load, name="loader", daemon=True)
     loader.start()

@@ -1,4 +1,5 @@
-"""Pure ASGI middleware: request ids and access logs, metrics, and the request body limit."""
+"""Pure ASGI middleware: request ids and access logs, metrics and traces; CORS rejections in
+the service's JSON error shape; the request body limit (see ``BodyLimitMiddleware``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import logging
 import re
 import time
 import uuid
-from contextvars import ContextVar
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -15,11 +15,11 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import timing
+from app import timing, tracing
+from app.logs import request_id_var
 from app.metrics import Metrics
 
 log = logging.getLogger("app.access")
-request_id_var: ContextVar[str] = ContextVar("request_id", default="-")
 
 ENDPOINTS = frozenset(
     ["/translate", "/attention", "/languages", "/info", "/health", "/ready", "/metrics", "/", "/docs", "/openapi.json"]
@@ -77,6 +77,7 @@ class RequestContextMiddleware:
             for name, seconds in request_timing.phases.items():
                 self.metrics.request_phase.labels(endpoint, name).observe(seconds)
             timing.end(timing_token)
+            tracing.record_request(request_timing, time.perf_counter(), scope["method"], endpoint, status, rid)
             log.info(
                 "%s %s %d %.1fms",
                 scope["method"],
@@ -98,11 +99,17 @@ class JsonCorsMiddleware(CORSMiddleware):
             return response
         keep = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
         message = bytes(response.body).decode()
-        return JSONResponse({"error": message, "error_type": "cors_rejected"}, response.status_code, keep)
+        body = {"error": message, "error_type": "cors_rejected", "request_id": request_id_var.get()}
+        return JSONResponse(body, response.status_code, keep)
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over ``max_bytes``: by Content-Length at once, or while streaming."""
+    """413 for bodies over ``max_bytes``: by Content-Length at once, or while streaming.
+
+    Not FastAPI's ``max_body_size`` (Starlette's ``RequestBodyLimitMiddleware``): for a body
+    whose Content-Length is over the limit, that one replaces whatever the app answers with a
+    plain-text "Content Too Large", so clients would lose the service's JSON error shape
+    (tried; tests/app/test_api.py::test_malformed_bodies failed on it)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -138,7 +145,11 @@ class BodyTooLarge(HTTPException):
 
 async def _reject(send: Send, max_bytes: int) -> None:
     body = json.dumps(
-        {"error": f"request body larger than {max_bytes} bytes", "error_type": "payload_too_large"}
+        {
+            "error": f"request body larger than {max_bytes} bytes",
+            "error_type": "payload_too_large",
+            "request_id": request_id_var.get(),
+        }
     ).encode()
     await send(
         {
@@ -152,34 +163,3 @@ async def _reject(send: Send, max_bytes: int) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
-
-
-class JsonLogFormatter(logging.Formatter):
-    """One JSON object per line, with the current request id."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        data = {
-            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "request_id": request_id_var.get(),
-            "message": record.getMessage(),
-        }
-        for key in ("status", "duration_ms"):
-            if hasattr(record, key):
-                data[key] = getattr(record, key)
-        if record.exc_info:
-            data["exception"] = self.formatException(record.exc_info)
-        return json.dumps(data, ensure_ascii=False)
-
-
-def configure_logging(level: str) -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonLogFormatter())
-    root = logging.getLogger()
-    root.handlers = [handler]
-    root.setLevel(level.upper())
-    for name in ("uvicorn", "uvicorn.error"):
-        logging.getLogger(name).handlers = []
-        logging.getLogger(name).propagate = True
-    logging.getLogger("uvicorn.access").disabled = True  # app.access logs with request ids instead

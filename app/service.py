@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from app import timing
-from app.batching import BatchLimits, BatchScheduler, Job
+from app.batching import BatchLimits, BatchScheduler, Job, Work
 from app.errors import ApiError
 from app.metrics import Metrics
 from app.segmentation import Segment, rejoin, segment, sentences
@@ -153,7 +153,7 @@ class TranslationService:
                 out.append(ItemResult(self._texts(segs, sents, options.n_best), sents, queue_ms, total_ms))
         return out
 
-    async def wait(self, jobs: Sequence[Job], timeout: float) -> None:
+    async def wait(self, jobs: Sequence[Work], timeout: float) -> None:
         """Await jobs; on timeout or cancellation withdraw whatever is still queued."""
         if not jobs:
             return
@@ -242,10 +242,10 @@ def record_sentence_phases(jobs: Sequence[Job]) -> None:
     if not done:
         return
     last = max(done, key=lambda job: job.finished)
-    timing.record("queue", last.started - last.enqueued)
-    timing.record("encode", last.encoded - last.started)
-    timing.record("decode", last.finished - last.encoded)
-    timing.record("handoff", last.delivered - last.finished)
+    timing.record_interval("queue", last.enqueued, last.started)
+    timing.record_interval("encode", last.started, last.encoded)
+    timing.record_interval("decode", last.encoded, last.finished)
+    timing.record_interval("handoff", last.finished, last.delivered)
 
 
 def _read_metrics(path: Path) -> dict[str, Any]:

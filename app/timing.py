@@ -37,14 +37,23 @@ PHASES = ("parse", "prepare", "queue", "encode", "decode", "handoff", "maps", "d
 
 @dataclass
 class RequestTiming:
-    """Phase durations (seconds) of one request, filled in as it runs."""
+    """Phase durations (seconds) of one request, filled in as it runs, and when each ran
+    (perf_counter() intervals: the trace's spans, app/tracing.py)."""
 
     start: float = field(default_factory=time.perf_counter)
     phases: dict[str, float] = field(default_factory=dict)
+    intervals: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     returned: float | None = None  # when the route returned its result (serialization follows)
 
-    def record(self, phase: str, seconds: float) -> None:
-        self.phases[phase] = self.phases.get(phase, 0.0) + max(seconds, 0.0)
+    def record(self, phase: str, seconds: float, end: float | None = None) -> None:
+        """``phase`` ran for ``seconds`` until ``end`` (default: now)."""
+        seconds = max(seconds, 0.0)
+        stop = time.perf_counter() if end is None else end
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+        self.intervals.setdefault(phase, []).append((stop - seconds, stop))
+
+    def record_interval(self, phase: str, start: float, end: float) -> None:
+        self.record(phase, end - start, end)
 
     def header(self, now: float) -> str:
         """The ``Server-Timing`` value: each phase and the total, in milliseconds."""
@@ -71,10 +80,17 @@ def current() -> RequestTiming | None:
 
 
 def record(phase: str, seconds: float) -> None:
-    """Add ``seconds`` to ``phase`` of the current request (nothing outside a request)."""
+    """Add ``seconds``, ending now, to ``phase`` of the current request (nothing outside a request)."""
     timing = _current.get()
     if timing is not None:
         timing.record(phase, seconds)
+
+
+def record_interval(phase: str, start: float, end: float) -> None:
+    """``phase`` of the current request ran from ``start`` to ``end`` (perf_counter() times)."""
+    timing = _current.get()
+    if timing is not None:
+        timing.record_interval(phase, start, end)
 
 
 def parsed() -> None:
@@ -98,4 +114,4 @@ def phase(name: str) -> Iterator[None]:
     try:
         yield
     finally:
-        record(name, time.perf_counter() - start)
+        record_interval(name, start, time.perf_counter())

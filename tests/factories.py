@@ -1,14 +1,24 @@
-"""Small random models and configs the tests build (one module, so test modules never import
-each other). Nothing here loads data or the shipped weights."""
+"""What the tests build (one module, so test modules never import each other): small random
+models and configs, an app started in process (``start``), and checks of the HTTP answers.
+Nothing here loads data or the shipped weights."""
 
 from __future__ import annotations
 
-import torch
+import time
+from collections.abc import Iterator
+from typing import Any
 
+import torch
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.main import create_app
+from app.settings import Settings
 from model.config import ModelConfig
 from model.transformer import Transformer
 
 V = 60  # make_model's vocabulary: ids 0-3 are the specials (pad, unk, bos, eos)
+DOC = {"source": "de", "target": "en"}  # the direction of the tests' checkpoints
 
 
 def tiny_config(vocab: int, **overrides: object) -> ModelConfig:
@@ -49,3 +59,37 @@ def random_model(vocab: int, eos_scale: float = 1.0, **overrides: object) -> Tra
         output.mul_(4.0)
         output[model.config.eos_id].mul_(eos_scale)
     return model
+
+
+def start(settings: Settings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, client.get("/ready").json()
+            time.sleep(0.05)
+        yield client
+
+
+def assert_error(response: Any, status: int, error_type: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) >= {"error", "error_type"} and body["error"]
+    if error_type:
+        assert body["error_type"] == error_type
+    return body
+
+
+def server_timing(response: Any) -> dict[str, float]:
+    """Server-Timing's "name;dur=ms, ..." -> {name: ms}, in the header's order."""
+    out = {}
+    for part in response.headers["server-timing"].split(","):
+        name, dur = part.strip().split(";")
+        assert dur.startswith("dur=")
+        out[name] = float(dur[4:])
+    return out
+
+
+def sample(client: TestClient, name: str, **labels: str) -> float:
+    families = text_string_to_metric_families(client.get("/metrics").text)
+    found = [s.value for f in families for s in f.samples if s.name == name and s.labels == labels]
+    return found[0] if found else 0.0

@@ -14,17 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.main import create_app
 from app.settings import Settings
-
-DOC = {"source": "de", "target": "en"}
-
-
-def start(settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/ready").status_code != 200:
-            assert time.monotonic() < deadline, client.get("/ready").json()
-            time.sleep(0.05)
-        yield client
+from tests.factories import DOC, assert_error, sample, server_timing, start
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +33,6 @@ def client(tiny_weights_dir: Path) -> Iterator[TestClient]:
 
 def post(client: TestClient, path: str, body: dict[str, Any]) -> Any:
     return client.post(path, json=body)
-
-
-def assert_error(response: Any, status: int, error_type: str | None = None) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) >= {"error", "error_type"} and body["error"]
-    if error_type:
-        assert body["error_type"] == error_type
-    return body  # type: ignore[no-any-return]
 
 
 def test_string_and_list_shapes(client: TestClient) -> None:
@@ -159,22 +140,6 @@ def test_repeated_sentences_hit_the_cache(client: TestClient) -> None:
     assert hits() == before + 1
     assert second["translatedText"] == first["translatedText"]
     assert second["details"]["sentences"][0]["cached"] and not first["details"]["sentences"][0]["cached"]
-
-
-def server_timing(response: Any) -> dict[str, float]:
-    """Server-Timing's "name;dur=ms, ..." -> {name: ms}, in the header's order."""
-    out = {}
-    for part in response.headers["server-timing"].split(","):
-        name, dur = part.strip().split(";")
-        assert dur.startswith("dur=")
-        out[name] = float(dur[4:])
-    return out
-
-
-def sample(client: TestClient, name: str, **labels: str) -> float:
-    families = text_string_to_metric_families(client.get("/metrics").text)
-    found = [s.value for f in families for s in f.samples if s.name == name and s.labels == labels]
-    return found[0] if found else 0.0
 
 
 def test_server_timing_breaks_a_request_into_phases(client: TestClient) -> None:

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.settings import Settings
-from tests.app.test_api import DOC, assert_error, server_timing, start
+from tests.factories import DOC, assert_error, server_timing, start
 
 TEXT = "Ein kleines Mädchen klettert in ein Spielhaus aus Holz."
 

@@ -252,7 +252,11 @@ def test_a_model_call_runs_between_steps_of_the_running_batch() -> None:
     async def scenario(h: Harness) -> None:
         first = h.scheduler.submit([LONG], GREEDY)[0]
         session = await h.paused()
-        call = h.scheduler.call(lambda: ran.append((threading.current_thread().name, session.session.steps)) or 42)
+        def note() -> int:
+            ran.append((threading.current_thread().name, session.session.steps))
+            return 42
+
+        call = h.scheduler.call(note)
         later = h.scheduler.submit([SHORT], GREEDY)[0]
         session.release.set()
         assert await asyncio.wait_for(call.future, 10) == 42

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from app.routes import MAX_JSON_DEPTH
 from app.settings import Settings
-from tests.app.test_api import assert_error, start
+from tests.factories import assert_error, start
 from tests.helpers import running_server
 
 DOC = {"source": "de", "target": "en"}

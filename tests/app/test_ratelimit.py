@@ -99,5 +99,5 @@ def test_settings_refuse_unknown_storages_and_malformed_key_limits() -> None:
     with pytest.raises(ValueError):
         Settings(req_limit_storage="mongodb://localhost")
     with pytest.raises(ValueError):
-        Settings(api_key_limits='{"k": {"req_limt": 5}}')  # type: ignore[arg-type]
-    assert Settings(api_keys="a,b", api_key_limits='{"c": {}}').known_keys == {"a", "b", "c"}  # type: ignore[arg-type]
+        Settings(api_key_limits='{"k": {"req_limt": 5}}')
+    assert Settings(api_keys="a,b", api_key_limits='{"c": {}}').known_keys == {"a", "b", "c"}
