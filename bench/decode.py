@@ -89,7 +89,7 @@ from model.allocator import tune_malloc
 from model.checkpoint import Checkpoint
 from model.data import MULTI30K_DIR, pad, read_lines, token_batches
 from model.decoding import DecodingOptions, max_steps
-from model.evaluate import recommended_options, score_translations
+from model.evaluate import score_translations
 from model.progress import progress
 from model.translator import Translator
 
@@ -439,7 +439,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     meta = checkpoint.read_meta(args.weights)
-    options = recommended_options(meta, args.beam_size)
+    options = checkpoint.decoding_options(meta, args.beam_size)
     return Settings(args.weights, args.device, args.dtype, args.beam_size, args.batch_size, args.threads, options)
 
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from model import kernels
 from model.config import ModelConfig
+from model.decoding import DecodingOptions
 from model.kernels import KernelPlan
 from model.tokenizer import Tokenizer, TokenizerError
 from model.transformer import Transformer
@@ -96,6 +97,19 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
         raise CheckpointError(f"{file}: no 'model' section")
     return meta
+
+
+def decoding_options(
+    meta: dict[str, Any], beam_size: int | None = None, n_best: int = 1, max_length: int | None = None
+) -> DecodingOptions:
+    """A request's options on top of the model card's recommended decoding (config.json
+    "decoding": beam, length penalty, length limits): the one place both the service and
+    ``model.evaluate`` build them. ``n_best`` hypotheses come from one beam, so a narrower beam
+    is widened to ``n_best``. Raises ``ValueError`` for options no search can run."""
+    card = dict(meta.get("decoding", {}))
+    beam = max(beam_size if beam_size is not None else int(card.get("beam_size", 4)), n_best)
+    card.update(beam_size=beam, n_best=n_best, max_length=max_length)
+    return DecodingOptions(**card)
 
 
 def model_config(meta: dict[str, Any], where: Path) -> ModelConfig:

@@ -48,14 +48,6 @@ def score_translations(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, An
     return out
 
 
-def recommended_options(meta: dict[str, Any], beam_size: int | None = None) -> DecodingOptions:
-    """The model card's decoding settings (config.json "decoding"), optionally another beam."""
-    rec = dict(meta.get("decoding", {}))
-    if beam_size is not None:
-        rec["beam_size"] = beam_size
-    return DecodingOptions(**rec)
-
-
 def evaluate(
     translator: Translator, src: Sequence[str], ref: Sequence[str], options: DecodingOptions, batch_size: int = 64
 ) -> dict[str, Any]:
@@ -84,12 +76,12 @@ def measure_checkpoint(
     ``limit`` > 0 scores only the first sentences of each split (smoke runs)."""
     ckpt = checkpoint.load(folder, device)
     translator = Translator(ckpt.model, ckpt.tokenizer)
-    beam = recommended_options(ckpt.meta)
+    beam = checkpoint.decoding_options(ckpt.meta)
     out: dict[str, Any] = {}
     for split in splits:
         data = read_parallel(split_file(data_dir, split, source), split_file(data_dir, split, target)).head(limit)
         src, ref = data.src, data.tgt
-        for name, options in (("greedy", recommended_options(ckpt.meta, 1)), (f"beam{beam.beam_size}", beam)):
+        for name, options in (("greedy", checkpoint.decoding_options(ckpt.meta, 1)), (f"beam{beam.beam_size}", beam)):
             result = evaluate(translator, src, ref, options)
             keys = ("bleu", "bleu_lc", "chrf", "sentences", "signatures")
             out.setdefault(split, {})[name] = {k: result[k] for k in keys}
@@ -121,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         Translator(ckpt.model, ckpt.tokenizer),
         src,
         ref,
-        recommended_options(ckpt.meta, args.beam_size),
+        checkpoint.decoding_options(ckpt.meta, args.beam_size),
         args.batch_size,
     )
     print(json.dumps({**result, "dtype": args.dtype, "kernel": ckpt.plan.kernel}))
