@@ -56,6 +56,20 @@ def _plot(argv: list[str]) -> None:
     raise SystemExit(main(argv))  # its status: 2 for a bad run folder, text or layer
 
 
+def _data(argv: list[str]) -> None:
+    datasets = {"multi30k": "Multi30k task 1: download, verify and cache (train, val, test_2016_flickr)"}
+    if not argv or argv[0] not in datasets:
+        parser = argparse.ArgumentParser(prog="translator data", description="Fetch a data set.")
+        parser.add_argument(
+            "dataset", choices=sorted(datasets), help="; ".join(f"{k}: {v}" for k, v in datasets.items())
+        )
+        parser.parse_args(argv[:1])  # --help (exit 0), or a usage error (exit 2)
+        return
+    from model.multi30k import main
+
+    raise SystemExit(main(argv[1:]))
+
+
 # The benchmarks in bench/ (`translator bench NAME --help`); they need the dev extra's peers.
 BENCHMARKS = {
     "decode": "decoding throughput of ours against CTranslate2, Marian and the naive decoder",
@@ -101,6 +115,7 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], None] | None]] = {
         "draw a translation's attention heads as heatmaps, or a training run's curves (plot training RUN_DIR)",
         _plot,
     ),
+    "data": ("download and verify a data set: translator data multi30k", _data),
     "bench": ("run a benchmark from bench/ (decode, load, overload, soak, ...)", _bench),
 }
 

@@ -25,6 +25,7 @@ from model import checkpoint, kernels
 from model.allocator import tune_malloc
 from model.data import read_lines, read_parallel, split_file
 from model.decoding import DecodingOptions
+from model.multi30k import default_dir, ensure_split_files
 from model.progress import progress
 from model.translator import Translator
 
@@ -92,8 +93,13 @@ def measure_checkpoint(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", required=True, type=Path, help="checkpoint folder")
-    parser.add_argument("--src", required=True, type=Path, help="source sentences (plain or .gz)")
-    parser.add_argument("--ref", required=True, type=Path, help="reference translations (plain or .gz)")
+    parser.add_argument("--src", type=Path, help="source sentences (plain or .gz)")
+    parser.add_argument("--ref", type=Path, help="reference translations (plain or .gz)")
+    parser.add_argument(
+        "--split", help="instead of --src/--ref: a Multi30k split (e.g. test_2016_flickr) in the checkpoint's "
+        "direction, downloaded and verified when missing (translator data multi30k)"
+    )  # fmt: skip
+    parser.add_argument("--data-dir", type=Path, help="Multi30k folder for --split (default: translator data's)")
     parser.add_argument("--beam-size", type=int, help="default: the model card's")
     parser.add_argument("--batch-size", type=int, default=64, help="sentences per batch (approx.)")
     parser.add_argument("--device", default="cpu")
@@ -105,7 +111,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     tune_malloc()
+    if (args.split is None) == (args.src is None or args.ref is None):
+        parser.error("give --src and --ref, or --split")
     ckpt = checkpoint.load(args.weights, args.device, args.dtype)
+    if args.split is not None:
+        source, target = str(ckpt.meta["source_lang"]), str(ckpt.meta["target_lang"])
+        folder = ensure_split_files(args.data_dir or default_dir(), [args.split], [source, target])
+        args.src, args.ref = split_file(str(folder), args.split, source), split_file(str(folder), args.split, target)
     src, ref = read_lines(args.src), read_lines(args.ref)
     if args.limit:
         src, ref = src[: args.limit], ref[: args.limit]

@@ -28,6 +28,7 @@ from model import checkpoint
 from model.data import Batch, Parallel, TokenizedCorpus, clean, read_parallel, split_file
 from model.decoding import DecodingOptions
 from model.evaluate import measure_checkpoint, score_translations
+from model.multi30k import ensure_split_files
 from model.progress import progress
 from model.tokenizer import Tokenizer, train_tokenizer
 from model.train_config import TrainConfig, load_train_config
@@ -82,7 +83,9 @@ class Trainer:
         if cfg.optim.threads:
             torch.set_num_threads(cfg.optim.threads)
         torch.manual_seed(cfg.optim.seed)
-        data_dir, d = cfg.data.dir, cfg.data
+        d = cfg.data
+        # the configured folder, or Multi30k downloaded and verified when it is not there
+        self.data_dir = data_dir = str(ensure_split_files(d.dir, [d.train, d.valid, d.test], [d.source, d.target]))
         self.train_text = clean(
             read_parallel(split_file(data_dir, d.train, d.source), split_file(data_dir, d.train, d.target)), d.max_ratio
         ).head(d.train_limit)
@@ -293,7 +296,9 @@ def train(
     trainer.run(max_steps_per_epoch)
     final = trainer.finish()
     d = cfg.data
-    metrics = measure_checkpoint(final, d.dir, d.source, d.target, [d.valid, d.test], str(trainer.device), d.eval_limit)
+    metrics = measure_checkpoint(
+        final, trainer.data_dir, d.source, d.target, [d.valid, d.test], str(trainer.device), d.eval_limit
+    )
     (final / checkpoint.METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
     return final
 
