@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from app import attention_view, timing
 from app.batching import QueueFull, SchedulerClosed, TooLarge
 from app.errors import ApiError, describe_validation
+from app.ratelimit import RateLimited, client_id
 from app.schemas import (
     AttentionRequest,
     AttentionResponse,
@@ -118,19 +119,36 @@ def validated(model: type[M], data: dict[str, Any]) -> M:
         raise ApiError(422, "validation_error", describe_validation(list(err.errors()))) from None
 
 
-async def authorized_body(request: Request, model: type[M], settings: Settings) -> M:
+async def authorized_body(request: Request, model: type[M], state: AppState) -> M:
     """The API key first (a header key before the body is read, a body key before the body is
-    validated, so nobody probes validation without a key), then the validated body."""
-    header_key = api_key_header(request)
-    if header_key is not None:
-        check_api_key(header_key, settings)
+    validated, so nobody probes validation without a key), then the client's rate limits (429),
+    then the validated body and its character limit."""
+    settings = state.settings
+    key = api_key_header(request)
+    if key is not None:
+        check_api_key(key, settings)
     data = await read_body(request)
-    if header_key is None:
-        key = data.get("api_key")
-        check_api_key(key if isinstance(key, str) else None, settings)
+    if key is None:
+        given = data.get("api_key")
+        key = given if isinstance(given, str) else None
+        check_api_key(key, settings)
+    client = client_id(key if key in settings.known_keys else None, request.client.host if request.client else None)
+    try:
+        await state.rate_limiter.hit(client)
+    except RateLimited as err:
+        raise ApiError(429, "rate_limited", str(err), {"Retry-After": str(err.retry_after)}) from None
     body = validated(model, data)
+    check_characters(body, state.rate_limiter.limits_for(client).chars)
     timing.parsed()
     return body
+
+
+def check_characters(body: BaseModel, limit: int) -> None:
+    """422 when the request's texts together exceed the client's ``char_limit`` (0: none)."""
+    q = getattr(body, "q", "")
+    total = len(q) if isinstance(q, str) else sum(len(text) for text in q)
+    if limit and total > limit:
+        raise ApiError(422, "too_many_characters", f"q: {total} characters in this request; at most {limit}")
 
 
 def api_key_header(request: Request) -> str | None:
@@ -139,10 +157,12 @@ def api_key_header(request: Request) -> str | None:
 
 
 def check_api_key(given: str | None, settings: Settings) -> None:
-    """403 unless the key (X-API-Key, Bearer token or api_key field) is configured."""
+    """403 unless the key (X-API-Key, Bearer token or api_key field) is configured, when keys
+    are required (``api_keys`` set). Otherwise any key passes: a known one (with limits of its
+    own) is counted as itself, an unknown one as the client's address."""
     if not settings.api_keys:
         return
-    if not given or not any(hmac.compare_digest(given.encode(), k.encode()) for k in settings.api_keys):
+    if not given or not any(hmac.compare_digest(given.encode(), k.encode()) for k in settings.known_keys):
         raise ApiError(403, "forbidden", "missing or invalid API key")
 
 
@@ -247,7 +267,7 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
 async def translate(request: Request) -> dict[str, Any]:
     """Translate a text or a list of texts (LibreTranslate-compatible)."""
     state = state_of(request)
-    body = await authorized_body(request, TranslateRequest, state.settings)
+    body = await authorized_body(request, TranslateRequest, state)
     service = state.service(body.source, body.target)
     texts = [body.q] if isinstance(body.q, str) else body.q
     check_texts(texts, state.settings)
@@ -300,7 +320,7 @@ def item_details(service: TranslationService, item: ItemResult) -> dict[str, Any
 async def attention(request: Request) -> dict[str, Any]:
     """Translate one text and return per-layer, per-head attention maps of the translation."""
     state = state_of(request)
-    body = await authorized_body(request, AttentionRequest, state.settings)
+    body = await authorized_body(request, AttentionRequest, state)
     service = state.service(body.source, body.target)
     check_texts([body.q], state.settings)
     cfg = service.translator.config

@@ -12,6 +12,7 @@ import torch
 
 from app.errors import ApiError
 from app.metrics import Metrics
+from app.ratelimit import RateLimiter
 from app.service import TranslationService, discover, kernel_plan
 from app.settings import Settings
 from model.allocator import bound_onednn_cache, tune_malloc
@@ -25,6 +26,7 @@ class AppState:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = Metrics()
+        self.rate_limiter = RateLimiter.from_settings(settings, self.metrics)
         self.services: dict[tuple[str, str], TranslationService] = {}
         self.ready = threading.Event()
         self.load_error: str | None = None

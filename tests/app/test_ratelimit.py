@@ -4,12 +4,15 @@ real Redis server shared by two limiters as two replicas would share it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from pathlib import Path
 
 import pytest
 
 from app.metrics import Metrics
 from app.ratelimit import ClientLimits, RateLimited, RateLimiter, client_id
 from app.settings import KeyLimits, Settings
+from tests.factories import DOC, assert_error, sample, start
 
 ALICE = client_id(None, "10.0.0.1")
 BOB = client_id(None, "10.0.0.2")
@@ -101,3 +104,45 @@ def test_settings_refuse_unknown_storages_and_malformed_key_limits() -> None:
     with pytest.raises(ValueError):
         Settings(api_key_limits='{"k": {"req_limt": 5}}')
     assert Settings(api_keys="a,b", api_key_limits='{"c": {}}').known_keys == {"a", "b", "c"}
+
+
+def test_the_api_answers_429_with_retry_after_per_client_and_key(tiny_weights_dir: Path) -> None:
+    settings = Settings(
+        weights_dir=tiny_weights_dir,
+        req_limit=2,
+        char_limit=40,
+        api_key_limits={"vip": KeyLimits(req_limit=4, char_limit=100)},
+    )
+    body = {"q": "Ein Hund.", **DOC, "beam_size": 1}
+    for client in start(settings):
+        assert [client.post("/translate", json=body).status_code for _ in range(2)] == [200, 200]
+        refused = client.post("/translate", json=body)
+        error = assert_error(refused, 429, "rate_limited")
+        assert 55 <= int(refused.headers["retry-after"]) <= 60 and "2 requests per minute" in error["error"]
+        assert client.post("/attention", json=body).status_code == 429  # one budget for the client
+        assert client.get("/languages").status_code == 200  # reading the API is not limited
+        vip = {"x-api-key": "vip"}
+        assert [client.post("/translate", json=body, headers=vip).status_code for _ in range(5)] == [200] * 4 + [429]
+        stranger = {"x-api-key": "made-up"}  # an unknown key is the address again, not a fresh budget
+        assert client.post("/translate", json=body, headers=stranger).status_code == 429
+        assert sample(client, "translator_rate_limited_requests_total", window="minute") == 4
+
+
+def test_the_character_limit_is_per_request_and_per_key(tiny_weights_dir: Path) -> None:
+    settings = Settings(weights_dir=tiny_weights_dir, char_limit=20, api_key_limits={"big": KeyLimits(char_limit=0)})
+    for client in start(settings):
+        long = {"q": ["Ein Hund läuft.", "Eine Katze."], **DOC, "beam_size": 1}  # 26 characters together
+        error = assert_error(client.post("/translate", json=long), 422, "too_many_characters")
+        assert "26 characters" in error["error"] and "at most 20" in error["error"]
+        assert client.post("/translate", json=long, headers={"x-api-key": "big"}).status_code == 200
+
+
+def test_two_replicas_share_one_budget_in_redis(tiny_weights_dir: Path, redis_url: str) -> None:
+    settings = Settings(weights_dir=tiny_weights_dir, req_limit=3, req_limit_storage=redis_url)
+    body = {"q": "Ein Hund.", **DOC, "beam_size": 1}
+    asyncio.run(RateLimiter.from_settings(settings).reset())
+    with contextlib.ExitStack() as stack:
+        first = stack.enter_context(contextlib.contextmanager(start)(settings))
+        second = stack.enter_context(contextlib.contextmanager(start)(settings))
+        codes = [c.post("/translate", json=body).status_code for c in (first, second, first, second)]
+    assert codes == [200, 200, 200, 429]
