@@ -13,8 +13,10 @@ from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, make_asgi_app
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
 from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
 
 from app import attention_view, timing
 from app.batching import QueueFull, SchedulerClosed, TooLarge
@@ -400,10 +402,25 @@ async def ready(request: Request) -> dict[str, Any]:
     return {"status": "ready", "directions": [svc.direction for svc in state.services.values()]}
 
 
-@router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}}})
-async def metrics(request: Request) -> Response:
-    """Prometheus text format."""
-    return Response(generate_latest(state_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+class PrometheusResponse(Response):
+    """prometheus-client's own ASGI exposition app as the answer: the text format, or
+    OpenMetrics when the scraper asks for it (Accept), gzip when it accepts it."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__()
+        self.app = make_asgi_app(registry)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
+METRICS_TYPES: dict[str, Any] = {CONTENT_TYPE_LATEST.split(";")[0]: {}, OPENMETRICS_CONTENT_TYPE.split(";")[0]: {}}
+
+
+@router.get("/metrics", response_class=Response, responses={200: {"content": METRICS_TYPES}})
+async def metrics(request: Request) -> PrometheusResponse:
+    """Prometheus text format (OpenMetrics on request; gzip when accepted)."""
+    return PrometheusResponse(state_of(request).metrics.registry)
 
 
 @router.get("/", include_in_schema=False)

@@ -142,3 +142,21 @@ def test_every_error_body_names_its_request(tiny_weights_dir: Path) -> None:
         for i, response in enumerate(cases, 1):
             body = assert_error(response, response.status_code)
             assert response.status_code >= 400 and body["request_id"] == f"e-{i}" == response.headers["x-request-id"]
+
+
+def test_metrics_negotiate_openmetrics_and_gzip(tiny_weights_dir: Path) -> None:
+    """/metrics is prometheus-client's own exposition: text by default, OpenMetrics when the
+    scraper asks (Prometheus does), gzip when accepted."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for client in start(Settings(weights_dir=tiny_weights_dir)):
+        plain = client.get("/metrics", headers={"accept-encoding": "identity"})
+        assert plain.headers["content-type"].startswith("text/plain")
+        assert any(f.name == "translator_queue_depth" for f in text_string_to_metric_families(plain.text))
+        om = client.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+        assert om.headers["content-type"].startswith("application/openmetrics-text") and om.text.endswith("# EOF\n")
+        assert any(f.name == "translator_queue_depth" for f in openmetrics_families(om.text))
+        raw = client.get("/metrics", headers={"accept-encoding": "gzip"})
+        assert raw.headers["content-encoding"] == "gzip"  # (httpx has already decoded the body)
+        assert "translator_queue_depth" in raw.text
