@@ -76,9 +76,10 @@ BENCHMARKS = {
     "load": "closed-loop clients against a real server (or any LibreTranslate-compatible one)",
     "overload": "goodput under overload: polite against impatient retries on a small queue",
     "soak": "memory of a real server over thousands of varied requests",
+    "detect": "language detectors compared on Multi30k: accuracy, latency, memory",
     "batching": "static against continuous batching in one process",
     "kernels": "per-call time of each linear kernel at the shipped model's shapes",
-    "plot": "plot latency against throughput from bench load's lines",
+    "plot": "charts of bench load and bench decode lines (docs/benchmarks.md's pictures)",
 }
 
 
