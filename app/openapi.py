@@ -122,8 +122,13 @@ def constrain(schema: dict[str, Any], settings: Settings, facts: ModelFacts | No
                 _limit(props, "kinds", minItems=1)
             _limit(props, "beam_size", maximum=beam)
             if facts is not None:
-                props["source"]["enum"] = list(facts.sources)
+                auto = ["auto"] if path == "/translate" else []  # detected per text
+                props["source"]["enum"] = [*auto, *facts.sources]
                 props["target"]["enum"] = list(facts.targets)
+    detect = schema["paths"]["/detect"]["post"]["requestBody"]["content"]
+    detect[FORM]["schema"] = _form(detect[FORM]["schema"])
+    for content in detect.values():
+        content["schema"]["properties"]["q"].update(_text(texts))
 
 
 def install(app: FastAPI, settings: Settings) -> None:

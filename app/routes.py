@@ -25,7 +25,10 @@ from app.ratelimit import RateLimited, client_id
 from app.schemas import (
     AttentionRequest,
     AttentionResponse,
+    DetectionResult,
+    DetectRequest,
     ErrorResponse,
+    FrontendSettings,
     Language,
     TranslateRequest,
     TranslateResponse,
@@ -267,26 +270,82 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
     openapi_extra=body_schema(TranslateRequest),
 )
 async def translate(request: Request) -> dict[str, Any]:
-    """Translate a text or a list of texts (LibreTranslate-compatible)."""
+    """Translate a text or a list of texts (LibreTranslate-compatible). With ``source: "auto"``
+    each text's language is detected (``detectedLanguage`` in the answer, one per text)."""
     state = state_of(request)
     body = await authorized_body(request, TranslateRequest, state)
-    service = state.service(body.source, body.target)
     texts = [body.q] if isinstance(body.q, str) else body.q
     check_texts(texts, state.settings)
+    detected = [state.detect_source(text) for text in texts] if body.source == "auto" else None
+    sources = [d.language for d in detected] if detected is not None else [body.source] * len(texts)
+    groups: dict[str, list[int]] = {}  # source language -> its texts' positions
+    for i, source in enumerate(sources):
+        groups.setdefault(source, []).append(i)
+    services = {source: state.service(source, body.target) for source in groups}
     with scheduler_errors():  # shed load before tokenizing: every text has at least one sentence
-        service.scheduler.check_room(len(texts))
-    options = decoding_options(service, state.settings, body.beam_size, body.alternatives + 1, body.max_length)
-    items = await run_queued(request, service.translate(texts, options, state.settings.request_timeout_s))
+        for source, positions in groups.items():
+            services[source].scheduler.check_room(len(positions))
+    n_best, timeout = body.alternatives + 1, state.settings.request_timeout_s
+    work = [
+        services[source].translate(
+            [texts[i] for i in positions],
+            decoding_options(services[source], state.settings, body.beam_size, n_best, body.max_length),
+            timeout,
+        )
+        for source, positions in groups.items()
+    ]
+    done = await run_queued(request, asyncio.gather(*work))
+    items: list[ItemResult] = [None] * len(texts)  # type: ignore[list-item]
+    for positions, results in zip(groups.values(), done, strict=True):
+        for i, item in zip(positions, results, strict=True):
+            items[i] = item
     single = isinstance(body.q, str)
     out: dict[str, Any] = {"translatedText": items[0].texts[0] if single else [i.texts[0] for i in items]}
     if body.alternatives:
         alts = [i.texts[1:] for i in items]
         out["alternatives"] = alts[0] if single else alts
     if body.details:
-        details = [item_details(service, i) for i in items]
+        details = [item_details(services[s], i) for s, i in zip(sources, items, strict=True)]
         out["details"] = details[0] if single else details
+    if detected is not None:
+        found = [{"language": d.language, "confidence": d.confidence} for d in detected]
+        out["detectedLanguage"] = found[0] if single else found
     timing.returned()
     return out
+
+
+@router.post(
+    "/detect", response_model=list[DetectionResult], responses=ERRORS, openapi_extra=body_schema(DetectRequest)
+)
+async def detect(request: Request) -> list[dict[str, Any]]:
+    """The language of a text among those this server translates from, most likely first, with
+    confidences 0-100 (LibreTranslate's /detect)."""
+    state = state_of(request)
+    body = await authorized_body(request, DetectRequest, state)
+    check_texts([body.q], state.settings)
+    timing.returned()
+    return [{"language": d.language, "confidence": d.confidence} for d in state.detect_candidates(body.q)]
+
+
+@router.get("/frontend/settings", response_model=FrontendSettings)
+async def frontend_settings(request: Request) -> dict[str, Any]:
+    """What LibreTranslate clients read before translating: limits, key requirements, files."""
+    state = state_of(request)
+    s = state.settings
+    targets = sorted({t for _, t in state.services}) or ["en"]
+    return {
+        "apiKeys": bool(s.known_keys),
+        "keyRequired": bool(s.api_keys),
+        "charLimit": s.char_limit or s.max_text_chars,
+        "frontendTimeout": 500,
+        "suggestions": False,
+        "filesTranslation": False,
+        "supportedFilesFormat": [],
+        "language": {
+            "source": {"code": "auto", "name": "Auto Detect"},
+            "target": {"code": targets[0], "name": LANGUAGE_NAMES.get(targets[0], targets[0])},
+        },
+    }
 
 
 def item_details(service: TranslationService, item: ItemResult) -> dict[str, Any]:

@@ -15,7 +15,7 @@ class TranslateRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     q: StrictStr | list[StrictStr] = Field(..., description="a text, or a list of texts")
-    source: StrictStr = Field(..., description="source language code, e.g. de")
+    source: StrictStr = Field(..., description='source language code, e.g. de; "auto" detects it per text')
     target: StrictStr = Field(..., description="target language code, e.g. en")
     format: Literal["text"] = Field("text", description='only "text" is supported')
     alternatives: int = Field(0, ge=0, description="extra translations to return (n-best)")
@@ -52,10 +52,50 @@ class ItemDetails(BaseModel):
     timings: Timings
 
 
+class DetectionResult(BaseModel):
+    language: str = Field(description="ISO 639-1 code")
+    confidence: float = Field(ge=0, le=100, description="percent")
+
+
 class TranslateResponse(BaseModel):
     translatedText: str | list[str]
     alternatives: list[str] | list[list[str]] | None = None
     details: ItemDetails | list[ItemDetails] | None = None
+    detectedLanguage: DetectionResult | list[DetectionResult] | None = Field(
+        None, description='with source "auto": the language each text was taken to be in'
+    )
+
+
+class DetectRequest(BaseModel):
+    """LibreTranslate's /detect body."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    q: StrictStr = Field(..., description="the text whose language is wanted")
+    api_key: str | None = Field(None, description="LibreTranslate-style API key (or X-API-Key header)")
+
+
+class LanguageRef(BaseModel):
+    code: str
+    name: str
+
+
+class FrontendLanguages(BaseModel):
+    source: LanguageRef
+    target: LanguageRef
+
+
+class FrontendSettings(BaseModel):
+    """LibreTranslate's /frontend/settings (what clients read before translating)."""
+
+    apiKeys: bool = Field(description="whether API keys are in use")
+    keyRequired: bool = Field(description="whether a request needs a key")
+    charLimit: int = Field(description="characters per request (per text if no request limit is set)")
+    frontendTimeout: int = Field(description="ms a frontend waits after typing before translating")
+    suggestions: bool
+    filesTranslation: bool
+    supportedFilesFormat: list[str]
+    language: FrontendLanguages
 
 
 class AttentionRequest(BaseModel):

@@ -10,6 +10,7 @@ from types import FrameType
 
 import torch
 
+from app.detection import Detection, Detector, NotServed
 from app.errors import ApiError
 from app.metrics import Metrics
 from app.ratelimit import RateLimiter
@@ -32,6 +33,7 @@ class AppState:
         self.load_error: str | None = None
         self.draining = False
         self.requests: set[asyncio.Task[object]] = set()  # requests waiting on the model (routes add them)
+        self.detector: Detector | None = None  # built with the models, for the languages they take
 
     def check(self) -> None:
         """Refuse settings this machine cannot run (CUDA without a GPU, int8 without AVX2, no
@@ -51,6 +53,7 @@ class AppState:
                 service.start()
                 self.services[(service.source, service.target)] = service
                 log.info("serving %s from %s: %s", service.direction, path, service.plan.describe())
+            self.detector = Detector([source for source, _ in self.services])
             self.ready.set()
         except Exception as err:
             self.load_error = type(err).__name__  # the message (with paths) goes to the log only
@@ -97,6 +100,22 @@ class AppState:
             pairs = ", ".join(f"{s}->{t}" for s, t in sorted(self.services))
             raise ApiError(422, "unsupported_language_pair", f"no model for {source}->{target}; available: {pairs}")
         return found
+
+    def detect_source(self, text: str) -> Detection:
+        """The served source language ``text`` is in (``source: "auto"``); 422 naming what it
+        looks like when no model takes it."""
+        self.require_ready()
+        assert self.detector is not None
+        try:
+            return self.detector.source_of(text)
+        except NotServed as err:
+            raise ApiError(422, "unsupported_language", str(err)) from None
+
+    def detect_candidates(self, text: str) -> list[Detection]:
+        """The served source languages, most likely first (``/detect``)."""
+        self.require_ready()
+        assert self.detector is not None
+        return self.detector.candidates(text)
 
     def require_ready(self) -> None:
         if self.draining:

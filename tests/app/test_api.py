@@ -88,7 +88,7 @@ def test_form_encoded_libretranslate_request(client: TestClient) -> None:
         ({"q": "x" * 301, **DOC}, "text_too_long"),
         ({"q": ["a"] * 5, **DOC}, "too_many_items"),
         ({"q": "Hallo", "source": "de", "target": "fr"}, "unsupported_language_pair"),
-        ({"q": "Hallo", "source": "auto", "target": "en"}, "unsupported_language_pair"),
+        ({"q": "Der Hund läuft schnell.", "source": "auto", "target": "fr"}, "unsupported_language_pair"),
         ({"q": "Hallo", "beam_size": 5, **DOC}, "validation_error"),
         ({"q": "Hallo", "beam_size": 0, **DOC}, "validation_error"),
         ({"q": "Hallo", "alternatives": 3, **DOC}, "validation_error"),
