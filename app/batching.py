@@ -412,7 +412,7 @@ class BatchScheduler:
         m.decode_step.labels(d).observe(now - start)
         answers: list[tuple[Job, list[Hypothesis]]] = []
         for done in finished:
-            job = self._running.pop(done.index)
+            job = self._running.pop(done.tag)
             job.finished = now
             if job.future.cancelled():
                 continue

@@ -56,6 +56,12 @@ def _plot(argv: list[str]) -> None:
     raise SystemExit(main(argv))  # its status: 2 for a bad run folder, text or layer
 
 
+def _suggestions(argv: list[str]) -> None:
+    from app.suggestions import main
+
+    raise SystemExit(main(argv))
+
+
 def _data(argv: list[str]) -> None:
     datasets = {"multi30k": "Multi30k task 1: download, verify and cache (train, val, test_2016_flickr)"}
     if not argv or argv[0] not in datasets:
@@ -117,6 +123,7 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], None] | None]] = {
         _plot,
     ),
     "data": ("download and verify a data set: translator data multi30k", _data),
+    "suggestions": ("export the translations users suggested (POST /suggest) as a parallel corpus", _suggestions),
     "bench": ("run a benchmark from bench/ (decode, load, overload, soak, ...)", _bench),
 }
 

@@ -22,8 +22,8 @@ from app.metrics import Metrics
 log = logging.getLogger("app.access")
 
 ENDPOINTS = frozenset(
-    ["/translate", "/attention", "/detect", "/languages", "/frontend/settings", "/info", "/health", "/ready",
-     "/metrics", "/", "/docs", "/openapi.json"]
+    ["/translate", "/attention", "/detect", "/suggest", "/languages", "/frontend/settings", "/info", "/health",
+     "/ready", "/metrics", "/", "/docs", "/openapi.json"]
 )  # fmt: skip
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 

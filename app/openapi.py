@@ -129,6 +129,15 @@ def constrain(schema: dict[str, Any], settings: Settings, facts: ModelFacts | No
     detect[FORM]["schema"] = _form(detect[FORM]["schema"])
     for content in detect.values():
         content["schema"]["properties"]["q"].update(_text(texts))
+    suggest = schema["paths"]["/suggest"]["post"]["requestBody"]["content"]
+    suggest[FORM]["schema"] = _form(suggest[FORM]["schema"])
+    for content in suggest.values():
+        props = content["schema"]["properties"]
+        props["q"].update(_text(texts))
+        props["s"].update(_text(texts))
+        if facts is not None:
+            props["source"]["enum"] = list(facts.sources)
+            props["target"]["enum"] = list(facts.targets)
 
 
 def install(app: FastAPI, settings: Settings) -> None:

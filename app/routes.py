@@ -30,6 +30,8 @@ from app.schemas import (
     ErrorResponse,
     FrontendSettings,
     Language,
+    SuggestRequest,
+    SuggestResponse,
     TranslateRequest,
     TranslateResponse,
 )
@@ -327,6 +329,20 @@ async def detect(request: Request) -> list[dict[str, Any]]:
     return [{"language": d.language, "confidence": d.confidence} for d in state.detect_candidates(body.q)]
 
 
+@router.post("/suggest", response_model=SuggestResponse, responses=ERRORS, openapi_extra=body_schema(SuggestRequest))
+async def suggest(request: Request) -> dict[str, Any]:
+    """Keep a user's better translation for fine-tuning (LibreTranslate's /suggest); 403 unless
+    the server enables suggestions (``TRANSLATOR_SUGGESTIONS``)."""
+    state = state_of(request)
+    if state.suggestions is None:
+        raise ApiError(403, "suggestions_disabled", "suggestions are disabled on this server")
+    body = await authorized_body(request, SuggestRequest, state)
+    check_texts([body.q, body.s], state.settings)
+    state.service(body.source, body.target)  # a direction this server translates (422 otherwise)
+    await asyncio.to_thread(state.suggestions.add, body.source, body.target, body.q, body.s)
+    return {"success": True}
+
+
 @router.get("/frontend/settings", response_model=FrontendSettings)
 async def frontend_settings(request: Request) -> dict[str, Any]:
     """What LibreTranslate clients read before translating: limits, key requirements, files."""
@@ -338,7 +354,7 @@ async def frontend_settings(request: Request) -> dict[str, Any]:
         "keyRequired": bool(s.api_keys),
         "charLimit": s.char_limit or s.max_text_chars,
         "frontendTimeout": 500,
-        "suggestions": False,
+        "suggestions": s.suggestions,
         "filesTranslation": False,
         "supportedFilesFormat": [],
         "language": {

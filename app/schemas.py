@@ -75,6 +75,22 @@ class DetectRequest(BaseModel):
     api_key: str | None = Field(None, description="LibreTranslate-style API key (or X-API-Key header)")
 
 
+class SuggestRequest(BaseModel):
+    """LibreTranslate's /suggest body: a text and the translation the user suggests for it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    q: StrictStr = Field(..., description="the original text")
+    s: StrictStr = Field(..., description="the suggested translation")
+    source: StrictStr
+    target: StrictStr
+    api_key: str | None = None
+
+
+class SuggestResponse(BaseModel):
+    success: bool
+
+
 class LanguageRef(BaseModel):
     code: str
     name: str

@@ -58,6 +58,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1_000_000, ge=1024, description="request bodies above this get 413")
     attention_max_tokens: int = Field(128, ge=1, description="longest text (tokens) /attention accepts")
     attention_max_cells: int = Field(1_000_000, ge=1, description="most attention values in one /attention reply")
+    suggestions: bool = Field(False, description="accept POST /suggest (else 403) and keep suggestions in SQLite")
+    data_dir: Path = Field(Path("data"), description="folder for the service's own data (suggestions.sqlite)")
 
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="comma-separated keys; empty: no authentication"

@@ -16,6 +16,7 @@ from app.metrics import Metrics
 from app.ratelimit import RateLimiter
 from app.service import TranslationService, discover, kernel_plan
 from app.settings import Settings
+from app.suggestions import SuggestionStore
 from model.allocator import bound_onednn_cache, tune_malloc
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class AppState:
         self.draining = False
         self.requests: set[asyncio.Task[object]] = set()  # requests waiting on the model (routes add them)
         self.detector: Detector | None = None  # built with the models, for the languages they take
+        self.suggestions = SuggestionStore(settings.data_dir) if settings.suggestions else None
 
     def check(self) -> None:
         """Refuse settings this machine cannot run (CUDA without a GPU, int8 without AVX2, no

@@ -23,9 +23,11 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_help_lists_every_subcommand_with_a_description() -> None:
     out = cli("--help")
     assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
     for name, (summary, _) in COMMANDS.items():
-        line = next(ln for ln in out.stdout.splitlines() if ln.strip().startswith(name + " "))
-        assert summary.split()[0] in line
+        at = next(i for i, ln in enumerate(lines) if ln.split()[:1] == [name])
+        described = " ".join(lines[at : at + 2])  # argparse puts the help of a long name on the next line
+        assert summary.split()[0] in described
     assert cli().returncode == 2 and "COMMAND" in cli().stderr  # no command: usage error
 
 

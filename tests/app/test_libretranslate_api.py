@@ -3,14 +3,20 @@ with the tiny checkpoint (de->en) and the real detector."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
 from app.settings import Settings
+from app.suggestions import SuggestionStore
+from model.data import read_parallel
 from tests.factories import assert_error, start
+from tests.helpers import ROOT
 
 GERMAN = "Ein Mann fährt mit dem Fahrrad über die Brücke."
 
@@ -52,3 +58,32 @@ def test_frontend_settings_in_libretranslate_shape(client: TestClient) -> None:
     assert settings["charLimit"] == 500 and settings["keyRequired"] is False and settings["apiKeys"] is False
     assert settings["language"]["source"] == {"code": "auto", "name": "Auto Detect"}
     assert settings["language"]["target"]["code"] == "en" and settings["filesTranslation"] is False
+
+
+def test_suggest_is_refused_unless_enabled(client: TestClient) -> None:
+    body = {"q": "Ein Hund.", "s": "A dog.", "source": "de", "target": "en"}
+    assert_error(client.post("/suggest", json=body), 403, "suggestions_disabled")
+    assert client.get("/frontend/settings").json()["suggestions"] is False
+
+
+def test_suggestions_are_kept_under_concurrent_requests_and_export_as_a_corpus(
+    tiny_weights_dir: Path, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    bodies = [
+        {"q": f"Ein Hund Nummer {i}.", "s": f"Dog number {i}.", "source": "de", "target": "en"} for i in range(40)
+    ]
+    for client in start(Settings(weights_dir=tiny_weights_dir, suggestions=True, data_dir=data)):
+        assert client.get("/frontend/settings").json()["suggestions"] is True
+        with ThreadPoolExecutor(8) as pool:  # form-encoded, as LibreTranslate clients send
+            codes = list(pool.map(lambda body, c=client: c.post("/suggest", data=body).status_code, bodies))
+        assert codes == [200] * 40
+        wrong = {"q": "Ein Hund.", "s": "Un chien.", "source": "de", "target": "fr"}
+        assert_error(client.post("/suggest", json=wrong), 422, "unsupported_language_pair")
+    assert SuggestionStore(data).count() == 40
+    out = tmp_path / "corpus"
+    cmd = [sys.executable, "-m", "app.cli", "suggestions", "export", "--data-dir", str(data), "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "de-en: 40 pairs", done.stderr[-2000:]
+    pairs = read_parallel(out / "suggestions.de-en.de.gz", out / "suggestions.de-en.en.gz")
+    assert sorted(zip(pairs.src, pairs.tgt, strict=True)) == sorted((b["q"], b["s"]) for b in bodies)

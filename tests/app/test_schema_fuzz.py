@@ -35,16 +35,22 @@ CHECKS = [
 
 
 LIMITS = {"TRANSLATOR_MAX_TEXT_CHARS": "300", "TRANSLATOR_MAX_ITEMS": "4", "TRANSLATOR_MAX_BEAM": "4",
-          "TRANSLATOR_MAX_ALTERNATIVES": "2", "TRANSLATOR_CACHE_SIZE": "0"}  # fmt: skip
-OPERATIONS = [("POST", "/translate"), ("POST", "/attention"), ("POST", "/detect"), ("GET", "/languages"),
-              ("GET", "/info"), ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"),
+          "TRANSLATOR_MAX_ALTERNATIVES": "2", "TRANSLATOR_CACHE_SIZE": "0",
+          "TRANSLATOR_SUGGESTIONS": "true"}  # fmt: skip
+OPERATIONS = [("POST", "/translate"), ("POST", "/attention"), ("POST", "/detect"), ("POST", "/suggest"),
+              ("GET", "/languages"), ("GET", "/info"), ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"),
               ("GET", "/frontend/settings")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def served(tiny_weights_dir: Path) -> Iterator[tuple[str, schemathesis.BaseSchema]]:
+def served(
+    tiny_weights_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, schemathesis.BaseSchema]]:
     """A real server and the schema it publishes."""
-    with running_server({"TRANSLATOR_WEIGHTS_DIR": str(tiny_weights_dir), **LIMITS}) as url:
+    data = tmp_path_factory.mktemp("data")
+    with running_server(
+        {"TRANSLATOR_WEIGHTS_DIR": str(tiny_weights_dir), "TRANSLATOR_DATA_DIR": str(data), **LIMITS}
+    ) as url:
         yield url, schemathesis.openapi.from_url(f"{url}/openapi.json")
 
 

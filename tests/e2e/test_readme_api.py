@@ -20,9 +20,11 @@ from tests.helpers import running_server
 
 
 @pytest.fixture(scope="module")
-def server(tiny_weights_dir: Path) -> Iterator[str]:
+def server(tiny_weights_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     weights = SHIPPED.parent if SHIPPED.is_dir() else tiny_weights_dir
-    with running_server({"TRANSLATOR_WEIGHTS_DIR": str(weights), "TRANSLATOR_THREADS": "1"}) as url:
+    env = {"TRANSLATOR_WEIGHTS_DIR": str(weights), "TRANSLATOR_THREADS": "1", "TRANSLATOR_SUGGESTIONS": "true",
+           "TRANSLATOR_DATA_DIR": str(tmp_path_factory.mktemp("data"))}  # fmt: skip
+    with running_server(env) as url:
         yield url
 
 

@@ -1,11 +1,12 @@
-"""The KV cache's buffers: appends, reorders (beam back-pointers, dropped rows), layouts."""
+"""The KV cache's two halves: self-attention rows (appends, reorders by beam back-pointers, dropped
+and added rows, layouts) and cross-attention sentences (joining, leaving), and what ties them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from model.cache import LayerCache
+from model.cache import CrossAttentionCache, KVCache, LayerCache, SelfAttentionCache
 
 H, DH = 2, 3
 
@@ -17,16 +18,15 @@ def step(rows: int, t: int = 1) -> torch.Tensor:
 @pytest.mark.parametrize("room", [None, 1, 2])
 def test_reorder_and_append_keep_every_row_history(room: int | None) -> None:
     torch.manual_seed(0)
-    memory = torch.randn(2, H, 5, DH)
-    cache = LayerCache((memory, memory), capacity=8)  # 2 sentences, beams of 3
+    cache = SelfAttentionCache(torch.empty(0), rows=2, heads=H, head_dim=DH, capacity=8)  # 2 sentences, beams of 3
     ref_k, ref_v = step(2), step(2)
-    cache.append_self(ref_k, ref_v)
+    cache.append(ref_k, ref_v)
     widen = torch.tensor([0, 0, 0, 1, 1, 1])  # beam search after its first step
     cache.reorder(widen, room)
     ref_k, ref_v = ref_k[widen], ref_v[widen]
     for rows in ([2, 0, 1, 5, 3, 3], [1, 1, 0, 4, 5, 3], [0, 2], [1, 1]):  # the last two drop rows
         k, v = step(ref_k.shape[0]), step(ref_k.shape[0])
-        got_k, got_v = cache.append_self(k, v)
+        got_k, got_v = cache.append(k, v)
         ref_k, ref_v = torch.cat([ref_k, k], dim=2), torch.cat([ref_v, v], dim=2)
         assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
         if room == 1:  # the compact layout leaves exactly the appended history, contiguous
@@ -34,32 +34,31 @@ def test_reorder_and_append_keep_every_row_history(room: int | None) -> None:
         index = torch.tensor(rows)
         cache.reorder(index, room)
         ref_k, ref_v = ref_k[index], ref_v[index]
-        assert torch.equal(cache.self_k, ref_k) and torch.equal(cache.self_v, ref_v)
+        assert torch.equal(cache.k, ref_k) and torch.equal(cache.v, ref_v)
     # appending past a compact layout spreads it out again, history intact
     for _ in range(3):
         k, v = step(2), step(2)
-        got_k, _ = cache.append_self(k, v)
+        got_k, _ = cache.append(k, v)
         ref_k = torch.cat([ref_k, k], dim=2)
         assert torch.equal(got_k, ref_k)
     assert cache.length == 8
     with pytest.raises(ValueError, match="capacity 8 exceeded"):
-        cache.append_self(step(2), step(2))
+        cache.append(step(2), step(2))
 
 
 def test_reorder_adds_zeroed_rows_and_forgets_old_positions() -> None:
     """Continuous batching: sentences join with an empty (zero, masked) history, and positions
     before the oldest active sentence joined are dropped, in the same copy as the reorder."""
     torch.manual_seed(1)
-    memory = torch.randn(2, H, 5, DH)
-    cache = LayerCache((memory, memory), capacity=4)
+    cache = SelfAttentionCache(torch.empty(0), rows=2, heads=H, head_dim=DH, capacity=4)
     ref_k, ref_v = step(2, 3), step(2, 3)
-    cache.append_self(ref_k, ref_v)
+    cache.append(ref_k, ref_v)
     cache.reorder(torch.tensor([1, 0]), room=3, drop=1, add=2)
     assert cache.length == 2 and cache.rows == 4
-    assert torch.equal(cache.self_k[:2], ref_k[[1, 0], :, 1:]) and torch.equal(cache.self_v[:2], ref_v[[1, 0], :, 1:])
-    assert not cache.self_k[2:].any() and not cache.self_v[2:].any()
+    assert torch.equal(cache.k[:2], ref_k[[1, 0], :, 1:]) and torch.equal(cache.v[:2], ref_v[[1, 0], :, 1:])
+    assert not cache.k[2:].any() and not cache.v[2:].any()
     k, v = step(4, 3), step(4, 3)  # room for 3 more, past the original capacity
-    got_k, got_v = cache.append_self(k, v)
+    got_k, got_v = cache.append(k, v)
     assert torch.equal(got_k[:2], torch.cat([ref_k[[1, 0], :, 1:], k[:2]], dim=2))
     assert torch.equal(got_v[2:, :, 2:], v[2:]) and cache.length == 5
 
@@ -69,16 +68,39 @@ def test_memory_of_joining_and_leaving_sentences() -> None:
     ones are replaced in place, so only moved rows are copied and the buffers are kept."""
     torch.manual_seed(2)
     first, joining = torch.randn(2, H, 3, DH), torch.randn(3, H, 5, DH)
-    cache = LayerCache((first.clone(), first.clone()), capacity=4)
-    cache.extend_memory((joining, joining))
-    k = cache.cross_k
+    cache = CrossAttentionCache((first.clone(), first.clone()))
+    cache.extend((joining, joining))
+    k = cache.k
     assert k.shape == (5, H, 5, DH)
     assert torch.equal(k[:2, :, :3], first) and torch.equal(k[2:], joining)
     assert torch.isfinite(k).all()  # padding positions hold finite values (masked by the source mask)
-    buffer, before = cache._cross_k.data_ptr(), k.clone()
-    cache.select_memory([0, 4, 2], length=4)  # sentences 1 and 3 leave; 4 fills the gap at 1
-    assert torch.equal(cache.cross_k, before[[0, 4, 2], :, :4])
-    assert torch.equal(cache.cross_v[1], joining[2, :, :4])
-    cache.extend_memory((first[:1], first[:1]))  # fits: no new buffer
-    assert cache._cross_k.data_ptr() == buffer and cache.cross_k.shape == (4, H, 4, DH)
-    assert torch.equal(cache.cross_k[3, :, :3], first[0])
+    buffer, before = cache._k.data_ptr(), k.clone()
+    cache.select([0, 4, 2], length=4)  # sentences 1 and 3 leave; 4 fills the gap at 1
+    assert torch.equal(cache.k, before[[0, 4, 2], :, :4])
+    assert torch.equal(cache.v[1], joining[2, :, :4])
+    cache.extend((first[:1], first[:1]))  # fits: no new buffer
+    assert cache._k.data_ptr() == buffer and cache.k.shape == (4, H, 4, DH)
+    assert torch.equal(cache.k[3, :, :3], first[0])
+
+
+def test_kv_cache_ties_self_rows_to_cross_sentences() -> None:
+    """Each layer is a self-attention half (rows) over a cross-attention half (sentences);
+    a reorder must leave ``width`` rows per sentence, joiners included, which is checked."""
+    torch.manual_seed(3)
+    memory = torch.randn(2, H, 5, DH)
+    cache = KVCache([LayerCache((memory.clone(), memory.clone()), capacity=6) for _ in range(2)])
+    assert (cache.sentences, cache.batch_size, cache.source_length, cache.length) == (2, 2, 5, 0)
+    for layer in cache.layers:
+        k, v = layer.append_self(step(2), step(2))
+        assert k.shape == v.shape == (2, H, 1, DH) and layer.cross_kv[0].shape == (2, H, 5, DH)
+    cache.reorder(torch.tensor([0, 0, 0, 1, 1, 1]), room=1, width=3)  # beams of 3
+    assert cache.batch_size == 6 and cache.length == 1
+    cache.extend_memory([(torch.randn(1, H, 7, DH),) * 2] * 2)  # a sentence joins: its rows come next
+    assert cache.sentences == 3 and cache.source_length == 7 and cache.batch_size == 6
+    with pytest.raises(AssertionError):
+        cache.reorder(torch.arange(6), room=1, width=3)  # the joiner's rows are missing
+    cache.reorder(torch.arange(6), room=1, add=3, width=3)
+    assert cache.batch_size == 9
+    cache.select_memory([0, 2], length=7)  # sentence 1 leaves
+    cache.reorder(torch.tensor([0, 1, 2, 6, 7, 8]), room=1, width=3)
+    assert (cache.sentences, cache.batch_size) == (2, 6)

@@ -150,13 +150,13 @@ def test_stream_yields_each_sentence_once_when_it_is_done(beam_size: int) -> Non
     src = pad(sources(9, seed=13, min_len=1, max_len=20), 0)
     opts = DecodingOptions(beam_size=beam_size)
     stream = list(decode_stream(model, src, opts))
-    assert sorted(d.index for d in stream) == list(range(9))
+    assert sorted(d.tag for d in stream) == list(range(9))
     steps = [d.steps for d in stream]
     assert steps == sorted(steps) and len(set(steps)) > 1  # in finishing order, not all at the end
     for d in stream:  # a sentence is yielded at the step it finished on
         h = d.hypotheses[0]
         assert not h.finished or len(h.ids) + 1 <= d.steps
-    assert [d.hypotheses for d in sorted(stream, key=lambda d: d.index)] == decode(model, src, opts).hypotheses
+    assert [d.hypotheses for d in sorted(stream, key=lambda d: d.tag)] == decode(model, src, opts).hypotheses
 
 
 @pytest.mark.parametrize("vocab", [V, BIG_V])
@@ -184,8 +184,8 @@ def test_sentences_joining_a_running_batch_decode_as_if_alone(beam_size: int, vo
         if joining:
             session.admit(pad([rows[i] for i in joining], 0), joining)
         for done in session.step():
-            assert done.index not in results and done.steps == alone[done.index].steps
-            results[done.index] = done.hypotheses
+            assert done.tag not in results and done.steps == alone[done.tag].steps
+            results[done.tag] = done.hypotheses
         trace.append((session.active, session.source_width))
         step += 1
     assert max(active for active, _ in trace) > 4  # the batch really was shared
@@ -209,6 +209,6 @@ def test_an_emptied_session_starts_over() -> None:
         session.admit(pad(rows, 0), [7, 8, 9])
         got = {}
         while session.active:
-            got.update({d.index: d.hypotheses for d in session.step()})
+            got.update({d.tag: d.hypotheses for d in session.step()})
         assert [got[t] for t in (7, 8, 9)] == expected
         assert session.steps == 0
