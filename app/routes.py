@@ -64,17 +64,21 @@ FORM_LISTS = frozenset({"layers", "heads", "kinds"})
 
 
 async def read_body(request: Request) -> dict[str, Any]:
-    """JSON or form-encoded (as LibreTranslate clients send) -> a dict of plain values, every
-    string valid Unicode and nesting at most ``MAX_JSON_DEPTH`` deep (else 400)."""
+    """JSON or form-encoded (as LibreTranslate clients send), and the query string under it
+    (LibreTranslate reads every parameter from any of them, also on POST) -> a dict of plain
+    values, every string valid Unicode and nesting at most ``MAX_JSON_DEPTH`` deep (else 400)."""
     raw = await request.body()
+    query = as_fields(parse_qs(request.url.query, keep_blank_values=True))
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     data: Any
-    if content_type == "application/x-www-form-urlencoded":
+    if query and not raw.strip():
+        data = {}  # everything in the query string
+    elif content_type == "application/x-www-form-urlencoded":
         try:
             form = parse_qs(raw.decode("utf-8"), keep_blank_values=True, strict_parsing=False)
         except UnicodeDecodeError:
             raise ApiError(400, "bad_request", "form body is not UTF-8") from None
-        data = {k: (v if k in FORM_LISTS or (k == "q" and len(v) > 1) else v[-1]) for k, v in form.items()}
+        data = as_fields(form)
     elif content_type in ("application/json", "") or content_type.endswith("+json"):
         try:
             data = json.loads(raw)
@@ -87,7 +91,15 @@ async def read_body(request: Request) -> dict[str, Any]:
     check_json(data)
     if not isinstance(data, dict):
         raise ApiError(422, "validation_error", "the body must be a JSON object")
+    if query:
+        check_json(query)
+        data = {**query, **data}  # the body wins where both give a parameter
     return data
+
+
+def as_fields(form: dict[str, list[str]]) -> dict[str, Any]:
+    """Form or query values -> fields: lists where a field is a list (q only when repeated)."""
+    return {k: (v if k in FORM_LISTS or (k == "q" and len(v) > 1) else v[-1]) for k, v in form.items()}
 
 
 def check_json(data: Any) -> None:

@@ -87,3 +87,19 @@ def test_suggestions_are_kept_under_concurrent_requests_and_export_as_a_corpus(
     assert done.returncode == 0 and done.stdout.strip() == "de-en: 40 pairs", done.stderr[-2000:]
     pairs = read_parallel(out / "suggestions.de-en.de.gz", out / "suggestions.de-en.en.gz")
     assert sorted(zip(pairs.src, pairs.tgt, strict=True)) == sorted((b["q"], b["s"]) for b in bodies)
+
+
+def test_parameters_are_read_from_the_query_string_too(client: TestClient) -> None:
+    """LibreTranslate reads every parameter from JSON, the form or the query string, also on POST."""
+    only_query = client.post("/translate", params={"q": GERMAN, "source": "de", "target": "en", "beam_size": "1"})
+    assert only_query.status_code == 200, only_query.text
+    body = {"q": GERMAN, "source": "de", "target": "en", "beam_size": 1}
+    assert only_query.json()["translatedText"] == client.post("/translate", json=body).json()["translatedText"]
+    mixed = client.post("/translate", params={"target": "en", "beam_size": "1"}, data={"q": GERMAN, "source": "de"})
+    assert mixed.json()["translatedText"] == only_query.json()["translatedText"]
+    repeated = client.post("/translate", params=[("q", "Ein Hund."), ("q", "Zwei Katzen."), ("source", "de"),
+                                                 ("target", "en")])  # fmt: skip
+    assert len(repeated.json()["translatedText"]) == 2
+    assert client.post("/detect", params={"q": GERMAN}).json()[0]["language"] == "de"
+    surrogate = client.post("/translate?q=%ED%A0%80&source=de&target=en&beam_size=1")  # bytes of U+D800: not UTF-8
+    assert surrogate.status_code < 500  # decoded with replacement characters, never a lone surrogate
