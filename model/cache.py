@@ -1,18 +1,23 @@
-"""The KV cache for incremental decoding.
+"""The KV cache for incremental decoding: two halves with different lives.
 
-Self-attention keys/values live in preallocated buffers and grow one step at a time.
-Cross-attention keys/values are computed once per sentence from the encoder memory and
-stored once per *sentence*: with beam search the ``width`` consecutive rows of a sentence
-(its hypotheses) share them, so they are never copied per beam. Sentences joining a running
-batch are written behind the others, and sentences leaving it are replaced by ones moved
-from the back, so only the rows that change are copied (copying the whole memory every
-time a sentence joined or left cost a continuously fed batch 3-5% of its throughput).
-
-``reorder(rows)`` follows beam search's back-pointers, drops finished rows, forgets
-positions no row can see any more and makes room for sentences that join, all in one copy:
-each self-attention buffer has a twin, and the valid part is gathered straight into the
-twin (``index_select(..., out=)``), which measured ~6x faster than gathering into a
+``SelfAttentionCache`` holds the decoder's own keys/values: one row per hypothesis (sentences
+x beam width), one more position every step, and beam search's back-pointers reorder the rows
+every step. They live in preallocated buffers. ``reorder(rows)`` follows the back-pointers,
+drops finished rows, forgets positions no row can see any more and makes room for sentences
+that join, all in one copy: each buffer has a twin, and the valid part is gathered straight
+into the twin (``index_select(..., out=)``), which measured ~6x faster than gathering into a
 temporary and copying it back.
+
+``CrossAttentionCache`` holds the projections of the encoder memory: computed once per
+sentence when it joins and stored once per *sentence*: the ``width`` consecutive rows of a
+sentence (its hypotheses) share them, so they are never copied per beam or reordered.
+Sentences joining a running batch are written behind the others, and sentences leaving it
+are replaced by ones moved from the back, so only the rows that change are copied (copying
+the whole memory every time a sentence joined or left cost a continuously fed batch 3-5% of
+its throughput).
+
+``LayerCache`` is one decoder layer's pair and ``KVCache`` every layer's; the invariants
+that tie the halves together (self rows = sentences x width) are checked there, on host ints.
 """
 
 from __future__ import annotations
@@ -22,65 +27,45 @@ import torch
 SPARE_SLOTS = 16  # positions a grown self-attention buffer has beyond what the reorder needs
 
 
-class LayerCache:
-    """One decoder layer's cached tensors.
+class SelfAttentionCache:
+    """One decoder layer's self-attention keys/values: k, v (R, H, length, Dh).
 
-    self_k/self_v: (R, H, length, Dh), R live rows, laid out as (R, H, slots, Dh) at the
-    front of flat buffers that grow when a reorder needs more. ``slots`` is the capacity at
-    first; ``reorder(rows, room=1)``, which beam search calls every step, lays the copy out
-    with ``slots = length + 1``, so after the next append the cached K/V are one contiguous
-    block: the attention matmuls over strided K/V ran 1.6-2.7x slower on the CPU.
-    cross_k/cross_v: (B, H, S, Dh) projections of the encoder memory, R = B * width rows.
+    Invariant: every one of the R rows (a hypothesis) holds the same ``length`` positions,
+    ``length <= slots <= capacity``, and the rows are laid out as (R, H, slots, Dh) at the
+    front of the current one of two flat twin buffers, which grow when a reorder needs more.
+    ``slots`` is the capacity at first; ``reorder(rows, room=1)``, which beam search calls
+    every step, lays the copy out with ``slots = length + 1``, so after the next append the
+    cached K/V are one contiguous block: the attention matmuls over strided K/V ran 1.6-2.7x
+    slower on the CPU.
     """
 
-    def __init__(self, cross_kv: tuple[torch.Tensor, torch.Tensor], capacity: int) -> None:
-        """Room for ``capacity`` positions of B rows (one per sentence); ``reorder`` may widen
-        it to B * width rows (beam search after its first step), growing the buffers then."""
-        self._cross_k, self._cross_v = cross_kv  # (rows, H, columns, Dh) buffers, front in use
-        b, h, s, dh = self._cross_k.shape
-        self.sentences, self.source = b, s
+    def __init__(self, like: torch.Tensor, rows: int, heads: int, head_dim: int, capacity: int) -> None:
+        """Room for ``capacity`` positions of ``rows`` rows, in ``like``'s dtype and device."""
         # Room for the first rows only: the twins are allocated by the first reorder, at the
         # size it needs (beam search compacts to length + 1 every step), so memory follows
         # what the batch holds, not B * width * capacity for every layer up front.
-        size = b * h * capacity * dh
-        self._k = [self._cross_k.new_empty(size), self._cross_k.new_empty(0)]
-        self._v = [self._cross_v.new_empty(size), self._cross_v.new_empty(0)]
+        size = rows * heads * capacity * head_dim
+        self._k = [like.new_empty(size), like.new_empty(0)]
+        self._v = [like.new_empty(size), like.new_empty(0)]
         self._current = 0
-        self.heads, self.head_dim, self.capacity = h, dh, capacity
-        self.rows = b
-        self.slots = capacity
-        self.length = 0
+        self.heads, self.head_dim, self.capacity = heads, head_dim, capacity
+        self.rows, self.slots, self.length = rows, capacity, 0
 
     def _layout(self, flat: torch.Tensor, rows: int, slots: int) -> torch.Tensor:
         """(rows, H, slots, Dh) view of the front of a flat buffer."""
         return flat[: rows * self.heads * slots * self.head_dim].view(rows, self.heads, slots, self.head_dim)
 
     @property
-    def self_k(self) -> torch.Tensor:
+    def k(self) -> torch.Tensor:
         """(R, H, length, Dh) cached keys."""
         return self._layout(self._k[self._current], self.rows, self.slots)[:, :, : self.length]
 
     @property
-    def self_v(self) -> torch.Tensor:
+    def v(self) -> torch.Tensor:
         """(R, H, length, Dh) cached values."""
         return self._layout(self._v[self._current], self.rows, self.slots)[:, :, : self.length]
 
-    @property
-    def cross_k(self) -> torch.Tensor:
-        """(B, H, S, Dh) keys of the encoder memory (a view: rows of other strides are fine for
-        the attention's batched matmuls)."""
-        return self._cross_k[: self.sentences, :, : self.source]
-
-    @property
-    def cross_v(self) -> torch.Tensor:
-        """(B, H, S, Dh) values of the encoder memory."""
-        return self._cross_v[: self.sentences, :, : self.source]
-
-    @property
-    def cross_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cross_k, self.cross_v
-
-    def append_self(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: (R, H, T, Dh) new positions -> all cached K, V (R, H, length+T, Dh)."""
         start, end = self.length, self.length + k.shape[2]
         if end > self.capacity:
@@ -90,14 +75,15 @@ class LayerCache:
         self._layout(self._k[self._current], self.rows, self.slots)[:, :, start:end] = k
         self._layout(self._v[self._current], self.rows, self.slots)[:, :, start:end] = v
         self.length = end
-        return self.self_k, self.self_v
+        return self.k, self.v
 
     def reorder(self, rows: torch.Tensor, room: int | None = None, drop: int = 0, add: int = 0) -> None:
-        """Row i takes the self-attention history of row ``rows[i]``; rows: (R',) long (rows
-        may be dropped, or repeated to widen a beam). Then ``add`` rows follow with an all-zero
-        history (sentences joining; their attention masks it out), and the first ``drop``
-        positions are forgotten. The copy has room for ``room`` more positions before the next
-        reorder (None: up to the capacity); the buffers grow if that does not fit."""
+        """Row i takes the history of row ``rows[i]``; rows: (R',) long (rows may be dropped,
+        or repeated to widen a beam). Then ``add`` rows follow with an all-zero history
+        (sentences joining; their attention masks it out), and the first ``drop`` positions are
+        forgotten. The copy has room for ``room`` more positions before the next reorder (None:
+        up to the capacity); the buffers grow if that does not fit."""
+        assert 0 <= drop <= self.length, (drop, self.length)
         kept, new, twin = rows.numel(), self.length - drop, 1 - self._current
         n = kept + add
         slots = max(self.capacity, new) if room is None else new + room
@@ -114,40 +100,85 @@ class LayerCache:
         self._current, self.rows, self.slots, self.length = twin, n, slots, new
         self.capacity = max(self.capacity, slots)
 
-    def extend_memory(self, cross_kv: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Sentences join: their cross K/V (B', H, S', Dh) are written behind the current ones.
 
-        Source positions past a sentence's own length hold whatever was there (finite values:
-        buffers start zeroed and only ever receive projections); the source mask hides them,
-        and a hidden key's weight is exactly 0.
-        """
-        new_k, new_v = cross_kv
+class CrossAttentionCache:
+    """One decoder layer's cross-attention keys/values: k, v (B, H, S, Dh), one per sentence.
+
+    Invariant: sentence b's K/V are row b, read by all of its hypotheses (never copied per
+    beam, never reordered); S (``source``) is at least every sentence's source length, and
+    positions past a sentence's own length hold finite values (buffers start zeroed and only
+    ever receive projections) that the source mask hides: a hidden key's weight is exactly 0.
+    The rows and columns in use are the front of buffers that grow with room to spare.
+    """
+
+    def __init__(self, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self._k, self._v = kv  # (rows, H, columns, Dh) buffers, front in use
+        self.sentences, self.source = self._k.shape[0], self._k.shape[2]
+
+    @property
+    def k(self) -> torch.Tensor:
+        """(B, H, S, Dh) keys of the encoder memory (a view: rows of other strides are fine for
+        the attention's batched matmuls)."""
+        return self._k[: self.sentences, :, : self.source]
+
+    @property
+    def v(self) -> torch.Tensor:
+        """(B, H, S, Dh) values of the encoder memory."""
+        return self._v[: self.sentences, :, : self.source]
+
+    def extend(self, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Sentences join: their K/V (B', H, S', Dh) are written behind the current ones."""
+        new_k, new_v = kv
         b, s = new_k.shape[0], new_k.shape[2]
         rows, columns = self.sentences + b, max(self.source, s)
-        if rows > self._cross_k.shape[0] or columns > self._cross_k.shape[2]:  # grow, with room
-            have_rows, have_columns = self._cross_k.shape[0], self._cross_k.shape[2]
-            size = (max(rows, 2 * have_rows), self.heads, max(columns, have_columns), self.head_dim)
-            for name in ("_cross_k", "_cross_v"):
+        if rows > self._k.shape[0] or columns > self._k.shape[2]:  # grow, with room
+            have_rows, have_columns = self._k.shape[0], self._k.shape[2]
+            heads, head_dim = self._k.shape[1], self._k.shape[3]
+            size = (max(rows, 2 * have_rows), heads, max(columns, have_columns), head_dim)
+            for name in ("_k", "_v"):
                 old = getattr(self, name)
                 grown = old.new_zeros(size)
                 grown[: self.sentences, :, : old.shape[2]] = old[: self.sentences]
                 setattr(self, name, grown)
-        self._cross_k[self.sentences : rows, :, :s] = new_k
-        self._cross_v[self.sentences : rows, :, :s] = new_v
+        self._k[self.sentences : rows, :, :s] = new_k
+        self._v[self.sentences : rows, :, :s] = new_v
         self.sentences, self.source = rows, columns
 
-    def select_memory(self, sentences: list[int], length: int | None = None) -> None:
-        """Sentence i takes the cross K/V of sentence ``sentences[i]`` (B' of them); only rows
-        that change are copied, so an order that fills the gaps of leaving sentences with the
-        last ones moves few. ``length``: keep only that many source positions (None: all)."""
+    def select(self, sentences: list[int], length: int | None = None) -> None:
+        """Sentence i takes the K/V of sentence ``sentences[i]`` (B' of them); only rows that
+        change are copied, so an order that fills the gaps of leaving sentences with the last
+        ones moves few. ``length``: keep only that many source positions (None: all); the
+        caller passes the longest source still active, which keeps the invariant."""
+        assert length is None or length <= self.source, (length, self.source)
         moved = [(i, j) for i, j in enumerate(sentences) if i != j]
         if moved:
-            targets, sources = (torch.tensor(side, device=self._cross_k.device) for side in zip(*moved, strict=True))
-            for buffer in (self._cross_k, self._cross_v):
+            targets, sources = (torch.tensor(side, device=self._k.device) for side in zip(*moved, strict=True))
+            for buffer in (self._k, self._v):
                 buffer[targets] = buffer[sources]
         self.sentences = len(sentences)
         if length is not None:
             self.source = length
+
+
+class LayerCache:
+    """One decoder layer's cache: its self-attention half (R = B * width rows, see
+    ``SelfAttentionCache``) and its cross-attention half (B sentences, ``CrossAttentionCache``)."""
+
+    def __init__(self, cross_kv: tuple[torch.Tensor, torch.Tensor], capacity: int) -> None:
+        """cross_kv: (B, H, S, Dh) each; room for ``capacity`` positions of B rows (one per
+        sentence); a reorder may widen it to B * width rows (beam search after its first step)."""
+        b, h, _, dh = cross_kv[0].shape
+        self.cross_attention = CrossAttentionCache(cross_kv)
+        self.self_attention = SelfAttentionCache(cross_kv[0], b, h, dh, capacity)
+
+    @property
+    def cross_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H, S, Dh) cross-attention keys and values."""
+        return self.cross_attention.k, self.cross_attention.v
+
+    def append_self(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: (R, H, T, Dh) new positions -> all cached self-attention K, V (R, H, length+T, Dh)."""
+        return self.self_attention.append(k, v)
 
 
 class KVCache:
@@ -159,25 +190,41 @@ class KVCache:
     @property
     def length(self) -> int:
         """Number of target positions held."""
-        return self.layers[0].length if self.layers else 0
+        return self.layers[0].self_attention.length if self.layers else 0
 
     @property
     def batch_size(self) -> int:
-        """Live rows (sentences x hypotheses)."""
-        return self.layers[0].rows
+        """Live self-attention rows (sentences x hypotheses)."""
+        return self.layers[0].self_attention.rows
 
-    def reorder(self, rows: torch.Tensor, room: int | None = None, drop: int = 0, add: int = 0) -> None:
-        """Beam back-pointers, dropped and added rows, forgotten positions (see ``LayerCache.reorder``)."""
+    @property
+    def sentences(self) -> int:
+        """Sentences whose cross-attention K/V are held."""
+        return self.layers[0].cross_attention.sentences
+
+    @property
+    def source_length(self) -> int:
+        """Source positions of the cross-attention K/V (>= every sentence's source length)."""
+        return self.layers[0].cross_attention.source
+
+    def reorder(self, rows: torch.Tensor, room: int | None = None, drop: int = 0, add: int = 0, *, width: int) -> None:
+        """Self-attention rows: beam back-pointers, dropped and added rows, forgotten positions
+        (see ``SelfAttentionCache.reorder``), after which each of the cross-attention
+        sentences has ``width`` consecutive rows (sentences that joined since the last reorder
+        included: they are the ``add`` rows)."""
+        assert rows.numel() + add == self.sentences * width, (rows.numel(), add, self.sentences, width)
         for layer in self.layers:
-            layer.reorder(rows, room, drop, add)
+            layer.self_attention.reorder(rows, room, drop, add)
 
     def extend_memory(self, cross_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Sentences join: one (K, V) pair per layer, each (B', H, S', Dh)."""
+        """Sentences join: one (K, V) pair per layer, each (B', H, S', Dh). Their self-attention
+        rows come with the next ``reorder`` (its ``add``)."""
         for layer, kv in zip(self.layers, cross_kv, strict=True):
-            layer.extend_memory(kv)
+            layer.cross_attention.extend(kv)
 
     def select_memory(self, sentences: list[int], length: int | None = None) -> None:
         """Sentence i takes the encoder memory of ``sentences[i]``; the others (finished) are
-        dropped, and source positions from ``length`` on (see ``LayerCache.select_memory``)."""
+        dropped, and source positions from ``length`` on (see ``CrossAttentionCache.select``).
+        Their self-attention rows follow with the next ``reorder``."""
         for layer in self.layers:
-            layer.select_memory(sentences, length)
+            layer.cross_attention.select(sentences, length)

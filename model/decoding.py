@@ -113,12 +113,17 @@ class Decoded:
 
 @dataclass(frozen=True)
 class Finished:
-    """One sentence, done: its tag (its row in ``decode_stream``'s batch), its n-best, and
-    the decoder steps it took."""
+    """One sentence, done: its tag (what ``admit`` named it; in ``decode_stream`` its row in
+    the batch), its n-best, and the decoder steps it took."""
 
-    index: int
+    tag: int
     hypotheses: list[Hypothesis]
     steps: int
+
+    @property
+    def index(self) -> int:
+        """Deprecated name of ``tag``, kept while callers move to it."""
+        return self.tag
 
 
 def decode_stream(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Iterator[Finished]:
@@ -141,7 +146,7 @@ def collect(stream: Iterator[Finished], batch_size: int) -> Decoded:
     hypotheses: list[list[Hypothesis]] = [[] for _ in range(batch_size)]
     steps = 0
     for done in stream:
-        hypotheses[done.index] = done.hypotheses
+        hypotheses[done.tag] = done.hypotheses
         steps = max(steps, done.steps)
     return Decoded(hypotheses, steps)
 
@@ -257,6 +262,95 @@ def _compacted(kept: list[int]) -> list[int]:
     return order
 
 
+class _SentenceRows:
+    """Everything a session keeps per active sentence, in batch order: sentence i is entry i of
+    every per-sentence field and rows i*W .. i*W + W - 1 of the per-hypothesis ones (W =
+    ``width``: 1 until the batch's first step, then K). Only ``append`` and ``select`` add and
+    remove sentences, so the fields cannot fall out of step.
+
+    Steps are kept twice, on purpose: as device tensors (``start``, ``stop``) that the step's
+    vectorized ops read, and as host lists (``start_host``, ``stop_host``, with the host-only
+    ``source_lengths``) that the session's control flow reads: how many cache positions to
+    forget, whether anyone joined late, how much room a reorder leaves, the source width.
+    Reading a device tensor to take a branch costs a device sync (an ``.item()`` or
+    ``.tolist()``) every step; the host lists answer min/max without touching the device.
+
+    ``gather`` and ``added`` are what the KV cache owes these rows before the next step: the
+    self-attention rows to gather (beam back-pointers, rows of sentences that left dropped;
+    None: rows stay in place) and how many rows of sentences that joined since to add.
+    """
+
+    def __init__(self, k: int, pad_id: int, device: torch.device) -> None:
+        self.tags: list[int] = []  # what ``step`` returns each sentence as
+        self.start_host: list[int] = []  # the step each sentence joined at
+        self.start = torch.zeros(0, dtype=torch.long, device=device)  # (A,) the same, on the device
+        self.stop_host: list[int] = []  # the step each sentence is cut at (its length limit)
+        self.stop = torch.zeros(0, dtype=torch.long, device=device)  # (A,) the same, on the device
+        self.source_lengths: list[int] = []  # source tokens (EOS included); host only
+        self.memory_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=device)  # (A, 1, 1, S)
+        self.tokens = torch.zeros(0, 1, dtype=torch.long, device=device)  # (A, W) next step's input
+        self.beams = _Beams(k, pad_id, device)
+        self.gather: torch.Tensor | None = None  # (A*W,) cache rows to gather before the next step
+        self.added = 0  # cache rows to add before the next step
+
+    def __len__(self) -> int:
+        return len(self.tags)
+
+    @property
+    def width(self) -> int:
+        """Rows (hypotheses) per sentence: 1 until the batch's first step, then K."""
+        return self.tokens.shape[1]
+
+    @property
+    def source_width(self) -> int:
+        """The longest source (0 when empty)."""
+        return max(self.source_lengths, default=0)
+
+    def append(
+        self,
+        tags: Sequence[int],
+        step: int,
+        stop: torch.Tensor,
+        source_lengths: list[int],
+        mask: torch.Tensor,
+        bos_id: int,
+    ) -> None:
+        """Sentences join at ``step``: stop (B,) the step each is cut at, mask (B, 1, 1, S)."""
+        b, w = len(tags), self.width
+        self.tags.extend(tags)
+        self.start_host.extend([step] * b)
+        self.start = torch.cat([self.start, self.start.new_full((b,), step)])
+        stop_host = stop.tolist()
+        self.stop_host.extend(stop_host)
+        self.stop = torch.cat([self.stop, stop])
+        self.source_lengths.extend(source_lengths)
+        self.memory_mask = _cat_padded(self.memory_mask, mask, dim=3)
+        self.tokens = torch.cat([self.tokens, self.tokens.new_full((b, w), bos_id)])
+        self.beams.extend(b, max(stop_host, default=step) - step)  # room for the longest limit
+
+    def cut(self, sentences: list[int], step: int) -> None:
+        """These sentences stop at ``step`` at the latest."""
+        for i in sentences:
+            self.stop_host[i] = min(self.stop_host[i], step)
+        if sentences:
+            self.stop[sentences] = self.stop[sentences].clamp(max=step)
+
+    def select(self, kept: list[int], keep: torch.Tensor) -> None:
+        """Only sentences ``kept`` stay, in that order (keep: (A',), the same on the device);
+        the memory mask narrows to the longest source left, and the cache rows to gather
+        follow the sentences."""
+        a, w = len(self.tags), self.width
+        self.tags = [self.tags[i] for i in kept]
+        self.start_host = [self.start_host[i] for i in kept]
+        self.stop_host = [self.stop_host[i] for i in kept]
+        self.source_lengths = [self.source_lengths[i] for i in kept]
+        self.gather = keep if self.gather is None else self.gather.view(a, w)[keep].reshape(-1)
+        self.memory_mask = self.memory_mask[keep, :, :, : self.source_width]
+        self.start, self.stop = self.start[keep], self.stop[keep]
+        self.tokens = self.tokens[keep]
+        self.beams.keep(keep)
+
+
 class DecodeSession:
     """A running batch of beam searches (top-k over beam x vocabulary, GNMT length
     normalization) that sentences join and leave between steps.
@@ -265,6 +359,11 @@ class DecodeSession:
     different lengths compete on normalized score; a sentence is done (and returned by
     ``step``) when all its beams are finished or truncated at its length limit. Greedy search
     is the beam of one. Model work only; the caller decides who joins when.
+
+    The per-sentence state is one ``_SentenceRows``; ``step`` runs in phases: ``_sync_cache``
+    (pending reorder, joined rows, forgotten positions), ``_mask_late_joiners``, ``_decode``
+    (decoder step, beam advance, truncation), ``_harvest`` (the finished sentences) and
+    ``_compact`` (the others close the gaps).
     """
 
     def __init__(self, model: Transformer, options: DecodingOptions) -> None:
@@ -273,119 +372,136 @@ class DecodeSession:
 
     def _reset(self) -> None:
         """Empty: the state of a new session."""
-        device = next(self.model.parameters()).device
         self.steps = 0  # decoder steps run since the session was last empty
-        self.tags: list[int] = []  # per active sentence, in batch order
-        self._starts: list[int] = []  # the step each sentence joined at
-        self._stops: list[int] = []  # the step each sentence is cut at (its length limit)
-        self._src_lengths: list[int] = []
         self._cache: KVCache | None = None
-        self._memory_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=device)  # (A, 1, 1, S)
-        self._start = torch.zeros(0, dtype=torch.long, device=device)  # (A,) step joined at
-        self._stop = torch.zeros(0, dtype=torch.long, device=device)  # (A,) step cut at
-        self._tokens = torch.zeros(0, dtype=torch.long, device=device)  # (A*K,) next step's input
-        self._beams = _Beams(self.k, self.model.config.pad_id, device)
-        self._rows: torch.Tensor | None = None  # cache rows to gather before the next step
-        self._added = 0  # cache rows to add before the next step
-        self._width = 1  # rows per sentence: 1 until the first step, then K
+        device = next(self.model.parameters()).device
+        self._rows = _SentenceRows(self.k, self.model.config.pad_id, device)
 
     @property
     def active(self) -> int:
         """Sentences being decoded."""
-        return len(self.tags)
+        return len(self._rows)
+
+    @property
+    def tags(self) -> list[int]:
+        """The active sentences' tags, in batch order (a copy)."""
+        return list(self._rows.tags)
 
     @property
     def source_width(self) -> int:
         """Padded source length of the batch (0 when empty)."""
-        return max(self._src_lengths, default=0)
+        return self._rows.source_width
 
     @torch.inference_mode()
     def admit(self, src: torch.Tensor, tags: Sequence[int]) -> None:
         """src: (B, S) padded ids, each row ending with EOS; ``tags`` (B) name the sentences in
         what ``step`` returns. They start decoding at the next step."""
-        model, cfg, w = self.model, self.model.config, self._width
-        b = src.shape[0]
+        if len(tags) != src.shape[0]:
+            raise ValueError(f"{len(tags)} tags for {src.shape[0]} sentences")
+        model, cfg, rows = self.model, self.model.config, self._rows
         memory, mask, _ = model.encode(src)  # (B, S, D), (B, 1, 1, S)
         src_lengths = mask.sum(dim=(1, 2, 3))
         limit = max_steps(src_lengths, self.options, cfg.max_positions - 1)  # (B,)
-        longest = int(limit.max())
         if self._cache is None:  # one row per sentence, widened to K by the first step
-            self._cache = model.init_cache(memory, longest)
+            self._cache = model.init_cache(memory, int(limit.max()))
         else:
             self._cache.extend_memory(model.project_memory(memory))
-            self._added += b * w
-        self._memory_mask = _cat_padded(self._memory_mask, mask, dim=3)
-        self._start = torch.cat([self._start, self._start.new_full((b,), self.steps)])
-        self._stop = torch.cat([self._stop, self.steps + limit])
-        self._tokens = torch.cat([self._tokens, self._tokens.new_full((b * w,), cfg.bos_id)])
-        self._beams.extend(b, longest)
-        self.tags.extend(tags)
-        self._starts.extend([self.steps] * b)
-        self._stops.extend((self.steps + limit).tolist())
-        self._src_lengths.extend(src_lengths.tolist())
+            rows.added += src.shape[0] * rows.width
+        rows.append(tags, self.steps, self.steps + limit, src_lengths.tolist(), mask, cfg.bos_id)
+        assert self._cache.source_length >= rows.source_width
 
     @torch.inference_mode()
     def cancel(self, tags: Collection[int]) -> int:
         """Cut these sentences at the next step: they leave the batch then (their rows freed),
         returned as unfinished hypotheses that the caller drops. -> how many were active."""
-        rows = [i for i, tag in enumerate(self.tags) if tag in tags]
-        for i in rows:
-            self._stops[i] = min(self._stops[i], self.steps + 1)
-        if rows:
-            self._stop[rows] = self._stop[rows].clamp(max=self.steps + 1)
-        return len(rows)
+        sentences = [i for i, tag in enumerate(self._rows.tags) if tag in tags]
+        self._rows.cut(sentences, self.steps + 1)
+        return len(sentences)
 
     @torch.inference_mode()
     def step(self) -> list[Finished]:
         """One decoder step for every active sentence -> the sentences done at this step."""
-        if not self.tags:
+        if not self._rows:
             return []
-        cache, k, w, alpha, a = self._cache, self.k, self._width, self.options.length_penalty, len(self.tags)
+        cache = self._cache
         assert cache is not None
-        origin = self.steps - cache.length  # the step of the cache's first position
-        drop = min(self._starts) - origin  # positions no active sentence can see
-        if self._rows is not None or self._added or drop > 0:
-            rows = self._rows if self._rows is not None else torch.arange(cache.batch_size, device=self._start.device)
-            room = 1 if k > 1 else max(self._stops) - self.steps  # beams reorder every step
-            cache.reorder(rows, room, drop, self._added)
-            origin, self._rows, self._added = origin + drop, None, 0
-        self_mask = positions = None  # None: every row sees the whole cache, at position cache.length
-        if max(self._starts) > origin:  # someone joined after the cache's first position
-            start = self._start.repeat_interleave(w) if w > 1 else self._start  # (R,)
-            keys = origin + torch.arange(cache.length + 1, device=start.device)
-            self_mask = (keys[None, :] >= start[:, None])[:, None, None, :]  # (R, 1, 1, L+1)
-            positions = self.steps - start
-        logits = self.model.decode_step(self._tokens, cache, self._memory_mask, positions, self_mask).float()
-        beams = self._beams
-        back, tokens = beams.advance(logits.view(a, w, -1), self.steps - self._start, alpha, self.model.config.eos_id)
-        beams.finished = beams.finished | (self._stop <= self.steps + 1)[:, None]  # truncated at the limit
-        self.steps, self._width = self.steps + 1, k
-        self._tokens = tokens.reshape(-1)
-        if k > 1:
-            self._rows = back
-        done = beams.finished.all(dim=1)  # (A,)
+        origin = self._sync_cache(cache)
+        self_mask, positions = self._mask_late_joiners(cache, origin)
+        self._decode(cache, self_mask, positions)
+        finished, out = self._harvest()
+        if finished:
+            self._compact(cache, finished)
+        return out
+
+    def _sync_cache(self, cache: KVCache) -> int:
+        """Bring the cache's self-attention rows in line with the sentences: gather the pending
+        rows (beam back-pointers, sentences that left), add the rows of those that joined, and
+        forget positions from before the earliest active sentence joined, in one copy.
+        -> the step of the cache's first position."""
+        rows = self._rows
+        origin = self.steps - cache.length
+        drop = min(rows.start_host) - origin  # positions no active sentence can see
+        if rows.gather is not None or rows.added or drop > 0:
+            gather = rows.gather
+            if gather is None:  # rows in place, sentences joined or positions to forget
+                gather = torch.arange(cache.batch_size, device=rows.start.device)
+            room = 1 if self.k > 1 else max(rows.stop_host) - self.steps  # beams reorder every step
+            cache.reorder(gather, room, drop, rows.added, width=rows.width)
+            origin, rows.gather, rows.added = origin + drop, None, 0
+        return origin
+
+    def _mask_late_joiners(self, cache: KVCache, origin: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """-> self-attention mask (R, 1, 1, L+1) hiding the cached keys from before a row's
+        sentence joined, and each row's position (R,); None, None when every row sees the
+        whole cache, at position ``cache.length`` (nobody joined after its first position)."""
+        rows, w = self._rows, self._rows.width
+        if max(rows.start_host) <= origin:
+            return None, None
+        start = rows.start.repeat_interleave(w) if w > 1 else rows.start  # (R,)
+        keys = origin + torch.arange(cache.length + 1, device=start.device)
+        self_mask = (keys[None, :] >= start[:, None])[:, None, None, :]  # (R, 1, 1, L+1)
+        return self_mask, self.steps - start
+
+    def _decode(self, cache: KVCache, self_mask: torch.Tensor | None, positions: torch.Tensor | None) -> None:
+        """The decoder step and the beams' advance; hypotheses at their sentence's length limit
+        are truncated (finished)."""
+        rows, alpha = self._rows, self.options.length_penalty
+        a, w = len(rows), rows.width
+        logits = self.model.decode_step(rows.tokens.reshape(-1), cache, rows.memory_mask, positions, self_mask).float()
+        beams = rows.beams
+        back, tokens = beams.advance(logits.view(a, w, -1), self.steps - rows.start, alpha, self.model.config.eos_id)
+        beams.finished = beams.finished | (rows.stop <= self.steps + 1)[:, None]  # truncated at the limit
+        self.steps += 1
+        rows.tokens = tokens  # (A, K): every sentence has K rows from now on
+        if self.k > 1:  # greedy rows stay in place
+            rows.gather = back
+
+    def _harvest(self) -> tuple[list[int], list[Finished]]:
+        """-> the sentences whose beams are all finished (their places in the batch) and them."""
+        rows = self._rows
+        done = rows.beams.finished.all(dim=1)  # (A,)
         if not bool(done.any()):
-            return []
+            return [], []
         finished = done.nonzero()[:, 0].tolist()
+        n_best, alpha = self.options.n_best, self.options.length_penalty
         out = [
-            Finished(self.tags[i], beams.hypotheses(i, self.options.n_best, alpha), self.steps - self._starts[i])
+            Finished(rows.tags[i], rows.beams.hypotheses(i, n_best, alpha), self.steps - rows.start_host[i])
             for i in finished
         ]
+        return finished, out
+
+    def _compact(self, cache: KVCache, finished: list[int]) -> None:
+        """The finished sentences leave: the others close the gaps (see ``_compacted``), and
+        the encoder memory narrows to the longest source left."""
+        rows = self._rows
+        a = len(rows)
         if len(finished) == a:
             self._reset()
-            return out
+            return
         gone = set(finished)
         kept = _compacted([i for i in range(a) if i not in gone])
-        keep = torch.tensor(kept, device=done.device)
-        self._rows = back.view(a, k)[keep].reshape(-1) if k > 1 else keep
-        self.tags = [self.tags[i] for i in kept]
-        self._starts = [self._starts[i] for i in kept]
-        self._stops = [self._stops[i] for i in kept]
-        self._src_lengths = [self._src_lengths[i] for i in kept]
-        width = self.source_width
-        cache.select_memory(kept, width if width < self._memory_mask.shape[3] else None)
-        self._memory_mask = self._memory_mask[keep, :, :, :width]
-        self._start, self._stop = self._start[keep], self._stop[keep]
-        self._tokens = tokens[keep].reshape(-1)
-        beams.keep(keep)
-        return out
+        keep = torch.tensor(kept, device=rows.start.device)
+        columns = rows.memory_mask.shape[3]
+        rows.select(kept, keep)
+        width = rows.source_width
+        cache.select_memory(kept, width if width < columns else None)
