@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import time
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -295,17 +296,13 @@ async def translate(request: Request) -> dict[str, Any]:
     groups: dict[str, list[int]] = {}  # source language -> its texts' positions
     for i, source in enumerate(sources):
         groups.setdefault(source, []).append(i)
-    services = {source: state.service(source, body.target) for source in groups}
+    routes = {source: state.route(source, body.target) for source in groups}  # 1 model, or 2 via English
     with scheduler_errors():  # shed load before tokenizing: every text has at least one sentence
         for source, positions in groups.items():
-            services[source].scheduler.check_room(len(positions))
-    n_best, timeout = body.alternatives + 1, state.settings.request_timeout_s
+            for leg in routes[source]:
+                leg.scheduler.check_room(len(positions))
     work = [
-        services[source].translate(
-            [texts[i] for i in positions],
-            decoding_options(services[source], state.settings, body.beam_size, n_best, body.max_length),
-            timeout,
-        )
+        translate_through(routes[source], [texts[i] for i in positions], body, state.settings)
         for source, positions in groups.items()
     ]
     done = await run_queued(request, asyncio.gather(*work))
@@ -319,7 +316,7 @@ async def translate(request: Request) -> dict[str, Any]:
         alts = [i.texts[1:] for i in items]
         out["alternatives"] = alts[0] if single else alts
     if body.details:
-        details = [item_details(services[s], i) for s, i in zip(sources, items, strict=True)]
+        details = [item_details(routes[s], i) for s, i in zip(sources, items, strict=True)]
         out["details"] = details[0] if single else details
     if detected is not None:
         found = [{"language": d.language, "confidence": d.confidence} for d in detected]
@@ -376,7 +373,25 @@ async def frontend_settings(request: Request) -> dict[str, Any]:
     }
 
 
-def item_details(service: TranslationService, item: ItemResult) -> dict[str, Any]:
+async def translate_through(
+    legs: list[TranslationService], texts: list[str], body: TranslateRequest, settings: Settings
+) -> list[ItemResult]:
+    """Translate with one model, or through two (the pivot): the first leg's best translation is
+    the second leg's source; the alternatives come from the last leg. One timeout for both."""
+    deadline = time.monotonic() + settings.request_timeout_s
+    items: list[ItemResult] = []
+    for number, leg in enumerate(legs):
+        last = number == len(legs) - 1
+        n_best = body.alternatives + 1 if last else 1
+        options = decoding_options(leg, settings, body.beam_size, n_best, body.max_length if last else None)
+        items = await leg.translate(texts, options, max(deadline - time.monotonic(), 0.001))
+        texts = [item.texts[0] for item in items]
+    return items
+
+
+def item_details(legs: list[TranslationService], item: ItemResult) -> dict[str, Any]:
+    """Details of the last leg's translation; ``models`` names every model that ran."""
+    service = legs[-1]
     pieces = service.translator.tokenizer.pieces
     sentences: list[dict[str, Any]] = []
     for s in item.sentences:
@@ -400,6 +415,7 @@ def item_details(service: TranslationService, item: ItemResult) -> dict[str, Any
         "truncated": any(s["truncated"] for s in sentences),
         "sentences": sentences,
         "timings": {"queue_ms": round(item.queue_ms, 2), "total_ms": round(item.total_ms, 2)},
+        "models": [leg.direction for leg in legs],
     }
 
 
@@ -439,7 +455,7 @@ async def languages(request: Request) -> list[dict[str, Any]]:
     state = state_of(request)
     state.require_ready()
     targets: dict[str, list[str]] = {}
-    for source, target in sorted(state.services):
+    for source, target in state.pairs():  # direct models and pairs through the pivot
         targets.setdefault(source, []).append(target)
         targets.setdefault(target, [])
     return [{"code": c, "name": LANGUAGE_NAMES.get(c, c), "targets": t} for c, t in sorted(targets.items())]

@@ -50,6 +50,7 @@ class ItemDetails(BaseModel):
     truncated: bool = Field(description="a sentence hit the length limit without ending")
     sentences: list[SentenceDetails]
     timings: Timings
+    models: list[str] = Field(description="the models that ran, in order (two when translated through English)")
 
 
 class DetectionResult(BaseModel):

@@ -22,6 +22,11 @@ from model.allocator import bound_onednn_cache, tune_malloc
 log = logging.getLogger(__name__)
 
 
+# A pair without a model of its own is translated through this language when models to and
+# from it exist (Multi30k's directions all have English on one side).
+PIVOT = "en"
+
+
 class AppState:
     """Loads every direction once (in the background) and hands them to the routes."""
 
@@ -102,6 +107,25 @@ class AppState:
             pairs = ", ".join(f"{s}->{t}" for s, t in sorted(self.services))
             raise ApiError(422, "unsupported_language_pair", f"no model for {source}->{target}; available: {pairs}")
         return found
+
+    def route(self, source: str, target: str) -> list[TranslationService]:
+        """The models that translate ``source`` to ``target``: the direct one, else two through
+        ``PIVOT`` (de->en->fr); 503 while loading, 422 when neither exists."""
+        self.require_ready()
+        direct = self.services.get((source, target))
+        if direct is not None:
+            return [direct]
+        first, second = self.services.get((source, PIVOT)), self.services.get((PIVOT, target))
+        if first is not None and second is not None and source != target:
+            return [first, second]
+        self.service(source, target)  # raises the 422 naming what is available
+        raise AssertionError("unreachable")
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """Every pair this server translates, directly or through ``PIVOT``, sorted."""
+        direct = set(self.services)
+        pivoted = {(s, t) for s, p in direct if p == PIVOT for q, t in direct if q == PIVOT and s != t}
+        return sorted(direct | pivoted)
 
     def detect_source(self, text: str) -> Detection:
         """The served source language ``text`` is in (``source: "auto"``); 422 naming what it

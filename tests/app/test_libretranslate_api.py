@@ -10,12 +10,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from app.settings import Settings
 from app.suggestions import SuggestionStore
+from model import checkpoint
 from model.data import read_parallel
-from tests.factories import assert_error, start
+from model.tokenizer import Tokenizer
+from model.transformer import Transformer
+from tests.factories import assert_error, start, tiny_config
 from tests.helpers import ROOT
 
 GERMAN = "Ein Mann fährt mit dem Fahrrad über die Brücke."
@@ -103,3 +107,33 @@ def test_parameters_are_read_from_the_query_string_too(client: TestClient) -> No
     assert client.post("/detect", params={"q": GERMAN}).json()[0]["language"] == "de"
     surrogate = client.post("/translate?q=%ED%A0%80&source=de&target=en&beam_size=1")  # bytes of U+D800: not UTF-8
     assert surrogate.status_code < 500  # decoded with replacement characters, never a lone surrogate
+
+
+@pytest.fixture(scope="module")
+def pivot_weights(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Tokenizer) -> Path:
+    """de-en and en-fr checkpoints (random tiny models sharing one tokenizer): no de-fr model."""
+    root = tmp_path_factory.mktemp("pivot-weights")
+    for seed, (source, target) in enumerate([("de", "en"), ("en", "fr")]):
+        torch.manual_seed(seed)
+        model = Transformer(tiny_config(tiny_tokenizer.vocab_size))
+        meta = {"source_lang": source, "target_lang": target, "decoding": {"beam_size": 2}}
+        checkpoint.save(root / f"{source}-{target}", model, tiny_tokenizer, meta)
+    return root
+
+
+def test_a_pair_without_a_model_is_translated_through_english(pivot_weights: Path) -> None:
+    for client in start(Settings(weights_dir=pivot_weights)):
+        languages = {lang["code"]: lang["targets"] for lang in client.get("/languages").json()}
+        assert languages["de"] == ["en", "fr"] and languages["en"] == ["fr"]  # de->fr through en
+        texts = ["Ein Hund läuft.", "Zwei Kinder spielen im Park."]
+        pivoted = client.post("/translate", json={"q": texts, "source": "de", "target": "fr", "details": True}).json()
+        english = client.post("/translate", json={"q": texts, "source": "de", "target": "en"}).json()["translatedText"]
+        french = client.post("/translate", json={"q": english, "source": "en", "target": "fr"}).json()["translatedText"]
+        assert pivoted["translatedText"] == french  # exactly the two legs, one after the other
+        assert [d["models"] for d in pivoted["details"]] == [["de-en", "en-fr"]] * 2
+        alternatives = client.post(
+            "/translate", json={"q": texts[0], "source": "de", "target": "fr", "alternatives": 1}
+        ).json()
+        assert len(alternatives["alternatives"]) == 1  # n-best from the last leg
+        assert_error(client.post("/translate", json={"q": "Hallo", "source": "fr", "target": "de"}), 422,
+                     "unsupported_language_pair")  # fmt: skip
