@@ -11,12 +11,12 @@ joined are masked out of its rows. ``decode_stream`` is a session given one batc
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from model.beams import Beams, Hypothesis, cat_padded
 from model.cache import KVCache
 from model.transformer import Transformer
 
@@ -49,58 +49,12 @@ class DecodingOptions:
             raise ValueError("length_penalty, max_length_a and max_length_b must be >= 0")
 
 
-@dataclass(frozen=True)
-class Hypothesis:
-    """One output sequence. ``ids`` exclude BOS and EOS; ``score`` is length-normalized."""
-
-    ids: tuple[int, ...]
-    score: float
-    log_prob: float
-    finished: bool
-
-
 def max_steps(src_lengths: torch.Tensor, options: DecodingOptions, cap: int) -> torch.Tensor:
     """Per-sentence limit on generated tokens (EOS included). src_lengths: (B,) -> (B,)."""
     limit = torch.ceil(src_lengths.double() * options.max_length_a).long() + options.max_length_b
     if options.max_length is not None:
         cap = min(cap, options.max_length)
     return limit.clamp(min=1, max=cap)
-
-
-# top_k splits each row into blocks of this many scores (see there).
-TOP_K_BLOCK = 64
-
-
-def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest values of each row and their columns, best first. x: (R, V) -> (R, k), (R, k).
-
-    ``torch.topk`` over an 8,000-way row took ~5 us per row on the CPU (and ``argmax`` ~3 us),
-    against ~0.2 us for a row's ``amax``. So rows are cut into blocks of ``TOP_K_BLOCK``: the k
-    blocks with the largest maxima hold the k largest values (any value outside them is beaten
-    by k block maxima), and ``topk`` only ranks those k blocks' scores (3-4x faster overall;
-    ties between equal values may break differently from ``torch.topk``). Other devices,
-    and rows too short for it to pay off, use ``torch.topk``.
-    """
-    r, v = x.shape
-    blocks, tail = divmod(v, TOP_K_BLOCK)
-    if x.device.type != "cpu" or blocks < 4 * k:
-        return x.topk(k, dim=-1)
-    main = x[:, : blocks * TOP_K_BLOCK].view(r, blocks, TOP_K_BLOCK)
-    chosen = main.amax(dim=-1).topk(k, dim=-1).indices  # (R, k) block ids
-    candidates = main.gather(1, chosen[..., None].expand(-1, -1, TOP_K_BLOCK)).view(r, k * TOP_K_BLOCK)
-    columns = (chosen[..., None] * TOP_K_BLOCK + torch.arange(TOP_K_BLOCK, device=x.device)).view(r, -1)
-    if tail:  # the last, partial block always competes
-        candidates = torch.cat([candidates, x[:, blocks * TOP_K_BLOCK :]], dim=1)
-        columns = torch.cat([columns, torch.arange(blocks * TOP_K_BLOCK, v, device=x.device).expand(r, -1)], dim=1)
-    values, j = candidates.topk(k, dim=-1)
-    return values, columns.gather(1, j)
-
-
-def length_penalty(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
-    """GNMT length penalty ((5 + |Y|) / 6) ** alpha, elementwise."""
-    if alpha == 0:
-        return torch.ones_like(lengths, dtype=torch.float32)
-    return ((5.0 + lengths.float()) / 6.0) ** alpha
 
 
 @dataclass(frozen=True)
@@ -119,11 +73,6 @@ class Finished:
     tag: int
     hypotheses: list[Hypothesis]
     steps: int
-
-    @property
-    def index(self) -> int:
-        """Deprecated name of ``tag``, kept while callers move to it."""
-        return self.tag
 
 
 def decode_stream(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Iterator[Finished]:
@@ -149,106 +98,6 @@ def collect(stream: Iterator[Finished], batch_size: int) -> Decoded:
         hypotheses[done.tag] = done.hypotheses
         steps = max(steps, done.steps)
     return Decoded(hypotheses, steps)
-
-
-def _hypothesis(row: torch.Tensor, length: int, score: float, log_prob: float, finished: bool) -> Hypothesis:
-    """row: (capacity,) generated ids; drop the EOS of a finished hypothesis."""
-    n = length - 1 if finished else length
-    return Hypothesis(tuple(row[:n].tolist()), score, log_prob, finished)
-
-
-def _cat_padded(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
-    """Stack a (A, ...) and b (B, ...) along dim 0 -> (A + B, ...), zero-padding dimension
-    ``dim`` to the longer of the two (False in a mask: padding)."""
-    size = list(a.shape)
-    size[0] += b.shape[0]
-    size[dim] = max(a.shape[dim], b.shape[dim])
-    out = a.new_zeros(size)
-    out[: a.shape[0]].narrow(dim, 0, a.shape[dim]).copy_(a)
-    out[a.shape[0] :].narrow(dim, 0, b.shape[dim]).copy_(b)
-    return out
-
-
-class _Beams:
-    """K hypotheses per active sentence: raw log-probabilities, lengths, flags and tokens.
-
-    A sentence joins with one live hypothesis (BOS, score 0) and K - 1 at -inf, so its first
-    step's K best candidates all extend the live one. A batch's first step runs one row per
-    sentence (the others would be copies of it; K rows cost 5% more row-steps on test_2016);
-    sentences that join a running batch get K rows, like everyone else in it by then.
-    """
-
-    def __init__(self, k: int, pad_id: int, device: torch.device) -> None:
-        self.k, self.pad_id = k, pad_id
-        self.scores = torch.zeros(0, k, device=device)  # raw cumulative log P, (A, K)
-        self.length = torch.zeros(0, k, dtype=torch.long, device=device)  # tokens, EOS included
-        self.finished = torch.zeros(0, k, dtype=torch.bool, device=device)
-        self.eos = torch.zeros(0, k, dtype=torch.bool, device=device)  # finished by EOS (not truncated)
-        self.history = torch.full((0, k, 0), pad_id, dtype=torch.long, device=device)  # (A, K, steps)
-        # a finished hypothesis's K candidates: its score once (the PAD continuation), then nothing
-        self.only_first = torch.full((k,), -math.inf, device=device)
-        self.only_first[0] = 0.0
-
-    def extend(self, b: int, steps: int) -> None:
-        """b sentences join, each decoded for at most ``steps`` steps."""
-        scores = self.only_first.expand(b, -1)
-        self.scores = torch.cat([self.scores, scores])
-        self.length = torch.cat([self.length, self.length.new_zeros(b, self.k)])
-        self.finished = torch.cat([self.finished, self.finished.new_zeros(b, self.k)])
-        self.eos = torch.cat([self.eos, self.eos.new_zeros(b, self.k)])
-        # (positions past a sentence's own limit are never read, whatever cat_padded put there)
-        self.history = _cat_padded(self.history, self.history.new_full((b, self.k, steps), self.pad_id), dim=2)
-
-    def advance(
-        self, logits: torch.Tensor, step: torch.Tensor, alpha: float, eos_id: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: (A, W, V) float32 next-token logits of each sentence's first W hypotheses
-        (W = 1 at a batch's first step, else K), step: (A,) each sentence's steps so far
-        -> back-pointer rows (A*K,) into the A*W, and the tokens chosen (A, K).
-
-        Every alive hypothesis of a sentence has step+1 tokens after this step, so its alive
-        candidates share one length penalty and rank by raw log P; a finished hypothesis
-        competes through its single (PAD) continuation, its normalized score mapped into that
-        raw scale. The K best of a sentence's K x V candidates are among the K best of each of
-        its rows, so each row is cut to K first (``top_k``) and only K x K survivors are ranked.
-        """
-        a, w, vocab = logits.shape
-        k = self.k
-        logp, tok = top_k(torch.log_softmax(logits, dim=-1).view(a * w, vocab), k)
-        if k == 1:  # greedy: no hypothesis is finished yet (a sentence leaves the step it ends)
-            self.scores = self.scores + logp
-            self.length = (step + 1)[:, None]
-            self.eos = self.finished = tok == eos_id
-            self.history[torch.arange(a, device=step.device), :, step] = tok
-            return torch.arange(a, device=tok.device), tok
-        scores, length, finished = self.scores[:, :w], self.length[:, :w], self.finished[:, :w, None]
-        candidates = logp.view(a, w, k) + scores[..., None]  # raw log P, (A, W, K)
-        scale = length_penalty(step + 1, alpha)[:, None]  # (A, 1)
-        done = (scores / length_penalty(length, alpha) * scale)[..., None]  # (A, W, 1)
-        candidates = torch.where(finished, done + self.only_first, candidates)
-        tok = torch.where(finished, self.pad_id, tok.view(a, w, k))
-        raw, flat = candidates.view(a, w * k).topk(k, dim=-1)  # (A, K), best first
-        beam, tok = flat // k, tok.view(a, w * k).gather(1, flat)
-        was_finished = self.finished.gather(1, beam)
-        self.scores = torch.where(was_finished, self.scores.gather(1, beam), raw)
-        self.length = torch.where(was_finished, self.length.gather(1, beam), step[:, None] + 1)
-        self.eos = self.eos.gather(1, beam) | (~was_finished & (tok == eos_id))
-        self.finished = was_finished | self.eos
-        self.history = self.history.gather(1, beam[..., None].expand(-1, -1, self.history.shape[2]))
-        self.history[torch.arange(a, device=step.device), :, step] = tok
-        return (beam + torch.arange(a, device=beam.device)[:, None] * w).view(-1), tok
-
-    def hypotheses(self, i: int, n_best: int, alpha: float) -> list[Hypothesis]:
-        """The n best of active sentence i (already sorted by normalized score)."""
-        lp = length_penalty(self.length[i, :n_best], alpha)
-        rows, lengths = self.history[i, :n_best].cpu(), self.length[i, :n_best].tolist()
-        raw, eos = self.scores[i, :n_best].tolist(), self.eos[i, :n_best].tolist()
-        normalized = (self.scores[i, :n_best] / lp).tolist()
-        return [_hypothesis(rows[j], lengths[j], normalized[j], raw[j], eos[j]) for j in range(n_best)]
-
-    def keep(self, keep: torch.Tensor) -> None:
-        for name in ("scores", "length", "finished", "eos", "history"):
-            setattr(self, name, getattr(self, name)[keep])
 
 
 def _compacted(kept: list[int]) -> list[int]:
@@ -289,7 +138,7 @@ class _SentenceRows:
         self.source_lengths: list[int] = []  # source tokens (EOS included); host only
         self.memory_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=device)  # (A, 1, 1, S)
         self.tokens = torch.zeros(0, 1, dtype=torch.long, device=device)  # (A, W) next step's input
-        self.beams = _Beams(k, pad_id, device)
+        self.beams = Beams(k, pad_id, device)
         self.gather: torch.Tensor | None = None  # (A*W,) cache rows to gather before the next step
         self.added = 0  # cache rows to add before the next step
 
@@ -324,7 +173,7 @@ class _SentenceRows:
         self.stop_host.extend(stop_host)
         self.stop = torch.cat([self.stop, stop])
         self.source_lengths.extend(source_lengths)
-        self.memory_mask = _cat_padded(self.memory_mask, mask, dim=3)
+        self.memory_mask = cat_padded(self.memory_mask, mask, dim=3)
         self.tokens = torch.cat([self.tokens, self.tokens.new_full((b, w), bos_id)])
         self.beams.extend(b, max(stop_host, default=step) - step)  # room for the longest limit
 

@@ -362,11 +362,11 @@ def test_cancel_in_the_session_frees_rows_and_keeps_the_others_exact() -> None:
     for _ in range(2):
         session.step()
     assert session.cancel({0, 42}) == 1  # an unknown tag is ignored
-    done = {f.index: f for f in session.step()}
+    done = {f.tag: f for f in session.step()}
     assert 0 in done and not done[0].hypotheses[0].finished and session.active <= 2
     rest = {**done}
     while session.active:
-        rest.update({f.index: f for f in session.step()})
+        rest.update({f.tag: f for f in session.step()})
     full = decode(MODEL, src, beam).hypotheses
     for tag in (1, 2):
         assert same(rest[tag].hypotheses, full[tag][:1])

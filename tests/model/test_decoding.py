@@ -6,36 +6,13 @@ import pytest
 import torch
 
 from bench import naive
-from model.config import ModelConfig
+from model.beams import TOP_K_BLOCK, top_k
 from model.data import pad
-from model.decoding import TOP_K_BLOCK, DecodeSession, DecodingOptions, decode, decode_stream, top_k
-from model.transformer import Transformer
+from model.decoding import DecodeSession, DecodingOptions, decode, decode_stream
+from tests.factories import V, make_model
 
-V = 60
 # A vocabulary large enough for decoding's blocked top-k on the CPU (V = 60 uses torch.topk).
 BIG_V = 40 * TOP_K_BLOCK + 17
-
-
-def make_model(seed: int = 0, vocab: int = V, **overrides: object) -> Transformer:
-    torch.manual_seed(seed)
-    base: dict[str, object] = dict(
-        src_vocab_size=vocab,
-        tgt_vocab_size=vocab,
-        d_model=32,
-        n_heads=4,
-        encoder_layers=2,
-        decoder_layers=2,
-        d_ff=64,
-        dropout=0.0,
-        attention_dropout=0.0,
-        max_positions=64,
-    )
-    base.update(overrides)
-    model = Transformer(ModelConfig(**base))  # type: ignore[arg-type]
-    # Sharpen the output distribution a little so random models do not emit uniform noise.
-    with torch.no_grad():
-        model.tgt_embed.tokens.weight.mul_(4.0)
-    return model.eval()
 
 
 def sources(n: int, seed: int = 1, min_len: int = 2, max_len: int = 12, vocab: int = V) -> list[list[int]]:
