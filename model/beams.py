@@ -27,11 +27,11 @@ TOP_K_BLOCK = 64
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest values of each row and their columns, best first. x: (R, V) -> (R, k), (R, k).
 
-    ``torch.topk`` over an 8,000-way row took ~5 us per row on the CPU (and ``argmax`` ~3 us),
-    against ~0.2 us for a row's ``amax``. So rows are cut into blocks of ``TOP_K_BLOCK``: the k
-    blocks with the largest maxima hold the k largest values (any value outside them is beaten
-    by k block maxima), and ``topk`` only ranks those k blocks' scores (3-4x faster overall;
-    ties between equal values may break differently from ``torch.topk``). Other devices,
+    ``torch.topk`` (and ``argmax``) over an 8,000-way row cost many times a row's ``amax`` on the
+    CPU (docs/benchmarks.md "Numbers behind the code"). So rows are cut into blocks of
+    ``TOP_K_BLOCK``: the k blocks with the largest maxima hold the k largest values (any value
+    outside them is beaten by k block maxima), and ``topk`` only ranks those k blocks' scores
+    (ties between equal values may break differently from ``torch.topk``). Other devices,
     and rows too short for it to pay off, use ``torch.topk``.
     """
     r, v = x.shape
@@ -79,7 +79,7 @@ class Beams:
 
     A sentence joins with one live hypothesis (BOS, score 0) and K - 1 at -inf, so its first
     step's K best candidates all extend the live one. A batch's first step runs one row per
-    sentence (the others would be copies of it; K rows cost 5% more row-steps on test_2016);
+    sentence (the others would be copies of it; K rows cost more row-steps: docs/benchmarks.md);
     sentences that join a running batch get K rows, like everyone else in it by then.
     """
 

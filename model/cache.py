@@ -5,16 +5,16 @@ x beam width), one more position every step, and beam search's back-pointers reo
 every step. They live in preallocated buffers. ``reorder(rows)`` follows the back-pointers,
 drops finished rows, forgets positions no row can see any more and makes room for sentences
 that join, all in one copy: each buffer has a twin, and the valid part is gathered straight
-into the twin (``index_select(..., out=)``), which measured ~6x faster than gathering into a
-temporary and copying it back.
+into the twin (``index_select(..., out=)``), several times faster than gathering into a
+temporary and copying it back (docs/benchmarks.md "Numbers behind the code").
 
 ``CrossAttentionCache`` holds the projections of the encoder memory: computed once per
 sentence when it joins and stored once per *sentence*: the ``width`` consecutive rows of a
 sentence (its hypotheses) share them, so they are never copied per beam or reordered.
 Sentences joining a running batch are written behind the others, and sentences leaving it
 are replaced by ones moved from the back, so only the rows that change are copied (copying
-the whole memory every time a sentence joined or left cost a continuously fed batch 3-5% of
-its throughput).
+the whole memory every time a sentence joined or left cost a continuously fed batch a few
+percent of its throughput: docs/benchmarks.md "Numbers behind the code").
 
 ``LayerCache`` is one decoder layer's pair and ``KVCache`` every layer's; the invariants
 that tie the halves together (self rows = sentences x width) are checked there, on host ints.
@@ -35,8 +35,8 @@ class SelfAttentionCache:
     front of the current one of two flat twin buffers, which grow when a reorder needs more.
     ``slots`` is the capacity at first; ``reorder(rows, room=1)``, which beam search calls
     every step, lays the copy out with ``slots = length + 1``, so after the next append the
-    cached K/V are one contiguous block: the attention matmuls over strided K/V ran 1.6-2.7x
-    slower on the CPU.
+    cached K/V are one contiguous block: the attention matmuls over strided K/V ran markedly
+    slower on the CPU (docs/benchmarks.md "Numbers behind the code").
     """
 
     def __init__(self, like: torch.Tensor, rows: int, heads: int, head_dim: int, capacity: int) -> None:
