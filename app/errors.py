@@ -11,7 +11,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.batching import QueueFull, SchedulerClosed, TooLarge
 from app.logs import request_id_var
+from app.ratelimit import RateLimited
+from app.service import SentenceTooLong, TextTooLong, Timeout, TranslationError
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +57,43 @@ def describe_validation(errors: list[Any]) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+# What the service, its scheduler and the rate limiter refuse, raised as their own errors
+# (they know nothing of HTTP) and given a status here, in one place.
+REFUSALS: tuple[type[Exception], ...] = (TranslationError, QueueFull, TooLarge, SchedulerClosed, RateLimited)
+
+
+def refusal(err: Exception) -> ApiError:
+    """The HTTP answer to one of ``REFUSALS``: 429 (retry after the queue's measured drain
+    time, or the client's rate limit), 413 (never fits: not retryable), 503 (shutting down),
+    422 (a sentence or text too long for the model), 504 (the request timeout passed)."""
+    match err:
+        case QueueFull():
+            retry = {"Retry-After": str(err.retry_after)}
+            return ApiError(429, "queue_full", f"too busy, retry shortly ({err})", retry)
+        case TooLarge():
+            return ApiError(413, "too_many_sentences", str(err))
+        case SchedulerClosed():
+            return ApiError(503, "shutting_down", "the service is shutting down", {"Retry-After": "1"})
+        case RateLimited():
+            return ApiError(429, "rate_limited", str(err), {"Retry-After": str(err.retry_after)})
+        case SentenceTooLong() | TextTooLong():
+            return ApiError(422, "text_too_long", str(err))
+        case Timeout():
+            return ApiError(504, "timeout", str(err))
+    log.error("no HTTP status for %r", err)
+    return ApiError(500, "internal_error", "internal server error")
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, err: ApiError) -> JSONResponse:
         return error_response(err.status, err.error_type, err.message, err.headers)
+
+    async def _refused(request: Request, err: Exception) -> JSONResponse:
+        return await _api_error(request, refusal(err))
+
+    for kind in REFUSALS:
+        app.add_exception_handler(kind, _refused)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:

@@ -14,7 +14,7 @@ from fastapi.staticfiles import StaticFiles
 from app import errors, openapi, tracing
 from app.cli import version
 from app.middleware import BodyLimitMiddleware, JsonCorsMiddleware, RequestContextMiddleware
-from app.routes import STATIC, router
+from app.routes import STATIC, build_router
 from app.settings import Settings
 from app.state import AppState
 
@@ -53,8 +53,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.translator = state
     errors.install(app)
-    app.include_router(router)
-    openapi.install(app, settings)
+    # the request models state this server's limits (its settings, its checkpoints' config.json)
+    app.include_router(build_router(openapi.request_models(settings, openapi.model_facts(settings.weights_dir))))
     if STATIC.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC), name="static")
     if settings.cors_origins:

@@ -2,9 +2,14 @@
 
 The request models (``app.schemas``) hold what is always true (types, ``ge=1``); the limits come
 from the settings and the loaded models: text length, texts per request, beam, alternatives,
-the languages served, layer and head indices. They are written into the published schema
-here, in one place, so a schema-driven client or fuzzer (schemathesis in the tests) generates
-requests the server accepts, and anything the schema rejects the server rejects too.
+the languages served, layer and head indices. ``request_models`` builds, when the app is
+created, subclasses of the request models whose fields state those limits, and the routes are
+registered with them, so the published schema comes from the models and a schema-driven client
+or fuzzer (schemathesis in the tests) generates requests the server accepts, and anything the
+schema rejects the server rejects too.
+The limits are stated in the schema, not validated by pydantic: the routes check them with
+their own error types and messages (``too_many_items``, ``text_too_long``,
+``unsupported_language_pair``, "beam_size: at most 4 (alternatives + 1 included)", ...).
 What a JSON schema cannot say (a language *pair* no model serves, a text whose tokens exceed
 ``attention_max_tokens``, an attention reply above ``attention_max_cells``) stays in the
 field descriptions and gets a 422.
@@ -12,15 +17,16 @@ field descriptions and gets a 422.
 
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar, cast
 
-from fastapi import FastAPI
-from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, GetJsonSchemaHandler, StrictStr, create_model
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
+from pydantic_core import CoreSchema, core_schema
 
+from app.schemas import AttentionRequest, DetectRequest, Kind, SuggestRequest, TranslateRequest
 from app.settings import Settings
 from model import checkpoint
 
@@ -30,6 +36,7 @@ FORM = "application/x-www-form-urlencoded"
 # A text needs one character that is not white space (blank texts get 422 empty_text); Python's
 # str.isspace() also counts the separators U+001C-U+001F and U+0085, which ECMA's \s does not.
 NON_BLANK = r"[^\s\x1c-\x1f\x85]"
+M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -63,91 +70,108 @@ def model_facts(weights_dir: Path) -> ModelFacts | None:
     )
 
 
-def _text(limit: int) -> dict[str, Any]:
-    return {"type": "string", "minLength": 1, "maxLength": limit, "pattern": NON_BLANK}
+class Stated:
+    """JSON schema keywords a type states without pydantic validating them: a limit the route
+    checks itself, with its own error type and message. ``Annotated[int, Stated(maximum=4)]``
+    puts the keyword on the integer itself, inside an optional field's ``anyOf``."""
+
+    def __init__(self, **keywords: Any) -> None:
+        self.keywords = keywords
+
+    def __repr__(self) -> str:
+        return f"Stated({self.keywords})"
+
+    def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return {**handler(schema), **self.keywords}
 
 
-def _indices(n: int) -> dict[str, Any]:
-    return {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": n - 1},
-            "minItems": 1, "maxItems": n, "uniqueItems": True}  # fmt: skip
+def _text(limit: int) -> Stated:
+    return Stated(minLength=1, maxLength=limit, pattern=NON_BLANK)
 
 
-def _limit(properties: dict[str, Any], name: str, **constraints: Any) -> None:
-    """Add constraints to an optional property (``anyOf: [{...}, {type: null}]``) or a plain one."""
-    prop = properties[name]
-    for option in prop.get("anyOf", [prop]):
-        if option.get("type") in ("integer", "array", "string"):
-            option.update(constraints)
+def _indices(n: int) -> Any:
+    index = Annotated[int, Stated(minimum=0, maximum=n - 1)]
+    return Annotated[list[index], Stated(minItems=1, maxItems=n, uniqueItems=True)]
 
 
-def _form(body: dict[str, Any]) -> dict[str, Any]:
-    """The form-encoded variant of a JSON body schema: a form has no null (an unset field is
-    left out), so the ``null`` alternatives of optional fields go."""
-    body = copy.deepcopy(body)
-    for prop in body["properties"].values():
-        if "anyOf" in prop:
-            prop["anyOf"] = [o for o in prop["anyOf"] if o.get("type") != "null"]
-            if len(prop["anyOf"]) == 1:
-                prop.update(prop.pop("anyOf")[0])
-        if prop.get("default", 0) is None:
-            del prop["default"]
-    return body
+def _languages(codes: Any) -> Any:
+    return Annotated[StrictStr, Stated(enum=list(codes))]
 
 
-def constrain(schema: dict[str, Any], settings: Settings, facts: ModelFacts | None) -> None:
-    """Write the limits into the /translate and /attention request bodies of ``schema``."""
-    beam, texts = settings.max_beam, settings.max_text_chars
-    for path in ("/translate", "/attention"):
-        contents = schema["paths"][path]["post"]["requestBody"]["content"]
-        contents[FORM]["schema"] = _form(contents[FORM]["schema"])
-        for content in contents.values():
-            props = content["schema"]["properties"]
-            if path == "/translate":
-                texts_list = {"type": "array", "items": _text(texts), "minItems": 1, "maxItems": settings.max_items}
-                props["q"]["anyOf"] = [_text(texts), texts_list]
-                # alternatives + 1 hypotheses come from one beam: at most max_beam - 1 of them
-                _limit(props, "alternatives", maximum=min(settings.max_alternatives, beam - 1))
-                if facts is not None:
-                    _limit(props, "max_length", maximum=facts.max_length)
-            else:
-                # a text of n characters has at most n + 1 pieces (a word-start piece, then one per
-                # character) unless Unicode normalization expands it (NFKC: U+FDFA is 18 letters)
-                tokens = settings.attention_max_tokens
-                if facts is not None:
-                    tokens = min(tokens, facts.max_length)
-                props["q"].update(_text(min(texts, tokens - 1)))
-                if facts is not None:
-                    _limit(props, "layers", **_indices(facts.layers))
-                    _limit(props, "heads", **_indices(facts.heads))
-                _limit(props, "kinds", minItems=1)
-            _limit(props, "beam_size", maximum=beam)
-            if facts is not None:
-                auto = ["auto"] if path == "/translate" else []  # detected per text
-                props["source"]["enum"] = [*auto, *facts.sources]
-                props["target"]["enum"] = list(facts.targets)
-    detect = schema["paths"]["/detect"]["post"]["requestBody"]["content"]
-    detect[FORM]["schema"] = _form(detect[FORM]["schema"])
-    for content in detect.values():
-        content["schema"]["properties"]["q"].update(_text(texts))
-    suggest = schema["paths"]["/suggest"]["post"]["requestBody"]["content"]
-    suggest[FORM]["schema"] = _form(suggest[FORM]["schema"])
-    for content in suggest.values():
-        props = content["schema"]["properties"]
-        props["q"].update(_text(texts))
-        props["s"].update(_text(texts))
-        if facts is not None:
-            props["source"]["enum"] = list(facts.sources)
-            props["target"]["enum"] = list(facts.targets)
+@dataclass(frozen=True)
+class RequestModels:
+    """The request body models the routes validate into and publish (their limits stated)."""
+
+    translate: type[TranslateRequest] = TranslateRequest
+    attention: type[AttentionRequest] = AttentionRequest
+    detect: type[DetectRequest] = DetectRequest
+    suggest: type[SuggestRequest] = SuggestRequest
 
 
-def install(app: FastAPI, settings: Settings) -> None:
-    """Serve the constrained schema at /openapi.json (built once, on first use)."""
+def request_models(settings: Settings, facts: ModelFacts | None) -> RequestModels:
+    """Subclasses of the request models whose schemas state this server's limits (the settings'
+    and, when the checkpoints could be read, the models')."""
+    beam, chars = settings.max_beam, settings.max_text_chars
+    text = Annotated[StrictStr, _text(chars)]
+    texts = Annotated[list[text], Stated(minItems=1, maxItems=settings.max_items)]
+    beam_size = Annotated[int, Stated(maximum=beam)] | None
+    # alternatives + 1 hypotheses come from one beam: at most max_beam - 1 of them
+    alternatives = Annotated[int, Stated(maximum=min(settings.max_alternatives, beam - 1))]
+    # a text of n characters has at most n + 1 pieces (a word-start piece, then one per
+    # character) unless Unicode normalization expands it (NFKC: U+FDFA is 18 letters)
+    tokens = min(settings.attention_max_tokens, facts.max_length) if facts else settings.attention_max_tokens
+    translate: dict[str, Any] = {"q": text | texts, "beam_size": beam_size, "alternatives": alternatives}
+    attention: dict[str, Any] = {
+        "q": Annotated[StrictStr, _text(min(chars, tokens - 1))],
+        "beam_size": beam_size,
+        "kinds": Annotated[list[Kind], Stated(minItems=1)] | None,
+    }
+    suggest: dict[str, Any] = {"q": text, "s": text}
+    if facts is not None:
+        translate |= {
+            "source": _languages(["auto", *facts.sources]),  # "auto": detected per text
+            "target": _languages(facts.targets),
+            "max_length": Annotated[int, Stated(maximum=facts.max_length)] | None,
+        }
+        directions = {"source": _languages(facts.sources), "target": _languages(facts.targets)}
+        attention |= {"layers": _indices(facts.layers) | None, "heads": _indices(facts.heads) | None, **directions}
+        suggest |= directions
+    return RequestModels(
+        translate=_restated(TranslateRequest, translate),
+        attention=_restated(AttentionRequest, attention),
+        detect=_restated(DetectRequest, {"q": text}),
+        suggest=_restated(SuggestRequest, suggest),
+    )
 
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            constrain(schema, settings, model_facts(settings.weights_dir))
-            app.openapi_schema = schema
-        return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
+def _restated(base: type[M], annotations: dict[str, Any]) -> type[M]:
+    """``base`` with the types of some fields replaced by ones stating limits; their defaults,
+    descriptions and validation stay ``base``'s."""
+    fields: dict[str, Any] = {name: (kind, base.model_fields[name]) for name, kind in annotations.items()}
+    model = create_model(base.__name__, __base__=base, __module__=base.__module__, __doc__=base.__doc__, **fields)
+    return cast(type[M], model)
+
+
+class FormJsonSchema(GenerateJsonSchema):
+    """A request model's schema as a form-encoded body: a form has no null (an unset field is
+    left out), so optional fields lose their ``null`` alternative and their null default."""
+
+    def nullable_schema(self, schema: core_schema.NullableSchema) -> JsonSchemaValue:
+        return self.generate_inner(schema["schema"])
+
+    def default_schema(self, schema: core_schema.WithDefaultSchema) -> JsonSchemaValue:
+        json_schema = super().default_schema(schema)
+        if "default" in json_schema and json_schema["default"] is None:
+            del json_schema["default"]
+        return json_schema
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The ``openapi_extra`` of a route whose body a dependency reads (``app.deps.body``), the
+    one place the document is given anything by hand: FastAPI describes a body only when it
+    parses it itself, and then in one media type. Both media types are ``model``'s schema."""
+    content = {
+        "application/json": {"schema": model.model_json_schema()},
+        FORM: {"schema": model.model_json_schema(schema_generator=FormJsonSchema)},
+    }
+    return {"requestBody": {"required": True, "content": content}}

@@ -164,3 +164,57 @@ class Language(BaseModel):
 class ErrorResponse(BaseModel):
     error: str
     error_type: str
+
+
+class DirectionInfo(BaseModel):
+    """One loaded model: its direction, network, where and how it runs, measured quality."""
+
+    source: str
+    target: str
+    model: dict[str, Any] = Field(description="the model config (config.json's model section)")
+    parameters: int
+    n_layers: int
+    n_encoder_layers: int
+    n_heads: int
+    device: str
+    dtype: str
+    kernel: str
+    cpu_isa: str | None = Field(description="the CPU instruction set the kernels use (null on a GPU)")
+    max_source_tokens: int
+    recommended_decoding: dict[str, Any] = Field(description="the model card's decoding options")
+    quality: dict[str, Any] = Field(description="measured scores (metrics.json)")
+
+
+class Limits(BaseModel):
+    max_text_chars: int
+    max_items: int
+    max_beam: int
+    max_alternatives: int
+    max_body_bytes: int
+    request_timeout_s: float
+    attention_max_tokens: int
+
+
+class Batching(BaseModel):
+    max_batch_sentences: int
+    max_batch_tokens: int
+    max_wait_ms: float
+    queue_size: int
+
+
+class InfoResponse(BaseModel):
+    version: str
+    ready: bool
+    directions: list[DirectionInfo]
+    limits: Limits
+    batching: Batching
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "unhealthy"]
+    error: str | None = Field(None, description="why the process cannot serve (when unhealthy)")
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready"]
+    directions: list[str] = Field(description="the directions loaded, e.g. de-en")

@@ -16,7 +16,6 @@ import torch
 
 from app import timing
 from app.batching import BatchLimits, BatchScheduler, Job, Work
-from app.errors import ApiError
 from app.metrics import Metrics
 from app.segmentation import Segment, rejoin, segment, sentences
 from app.settings import Settings
@@ -27,6 +26,38 @@ from model.kernels import KernelPlan
 from model.translator import AttentionResult, Translator
 
 log = logging.getLogger(__name__)
+
+
+class TranslationError(Exception):
+    """What the service refuses to translate; the HTTP edge gives each kind its status
+    (``app.errors.refusal``). The message is the client's."""
+
+
+class TextTooLong(TranslationError):
+    """A text has more tokens than ``/attention`` (or the model) takes."""
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        super().__init__(f"/attention takes at most {limit} tokens; this text has {tokens}")
+        self.tokens, self.limit = tokens, limit
+
+
+class SentenceTooLong(TranslationError):
+    """A sentence has more tokens than the model takes (the text should be split)."""
+
+    def __init__(self, item: int, tokens: int, limit: int) -> None:
+        super().__init__(
+            f"item {item}: a sentence has {tokens} tokens; the model takes at most {limit} per sentence "
+            "(split the text)"
+        )
+        self.item, self.tokens, self.limit = item, tokens, limit
+
+
+class Timeout(TranslationError):
+    """The translation did not finish within the request timeout (its work is withdrawn)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"translation took longer than {seconds:g} s")
+        self.seconds = seconds
 
 
 @dataclass(frozen=True)
@@ -45,6 +76,22 @@ class ItemResult:
     sentences: list[SentenceResult]
     queue_ms: float
     total_ms: float
+
+
+@dataclass(eq=False)
+class Sentence:
+    """One sentence of a request on its way through ``TranslationService.translate``: built
+    once, then its hypotheses filled in from the cache or from its job."""
+
+    item: int  # the text it belongs to
+    source: str
+    ids: list[int]
+    hypotheses: list[Hypothesis] | None = None
+    job: Job | None = None  # None when the cache answered
+
+    def result(self) -> SentenceResult:
+        assert self.hypotheses is not None, "not translated yet"
+        return SentenceResult(self.source, self.ids, self.hypotheses, cached=self.job is None)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -108,50 +155,54 @@ class TranslationService:
         self.scheduler.close(timeout)
 
     # --- translation ----------------------------------------------------------------------
-    def prepare(self, texts: Sequence[str]) -> list[tuple[list[Segment], list[list[int]]]]:
-        """Segment and tokenize; reject (422) a sentence longer than the model can take."""
-        prepared = []
+    def decoding_options(self, beam_size: int | None, n_best: int, max_length: int | None) -> DecodingOptions:
+        """A request's options on top of this model card's decoding (``checkpoint.decoding_options``,
+        as ``model.evaluate`` builds them); the server's limits are checked at the HTTP edge."""
+        return checkpoint.decoding_options(self.meta, beam_size, n_best, max_length)
+
+    def prepare(self, texts: Sequence[str]) -> tuple[list[list[Segment]], list[Sentence]]:
+        """Segment and tokenize: each text's segments, and every sentence of every text in
+        order. A sentence longer than the model can take raises ``SentenceTooLong``."""
+        segmented: list[list[Segment]] = []
+        found: list[Sentence] = []
         for index, text in enumerate(texts):
             segs = segment(text)
-            ids = self.translator.encode(sentences(segs))
+            sources = sentences(segs)
+            ids = self.translator.encode(sources)
             longest = max((len(i) for i in ids), default=0)
             if longest > self.translator.max_source_tokens:
-                raise ApiError(
-                    422,
-                    "text_too_long",
-                    f"item {index}: a sentence has {longest} tokens; the model takes at most "
-                    f"{self.translator.max_source_tokens} per sentence (split the text)",
-                )
-            prepared.append((segs, ids))
-        return prepared
+                raise SentenceTooLong(index, longest, self.translator.max_source_tokens)
+            segmented.append(segs)
+            found.extend(Sentence(index, source, i) for source, i in zip(sources, ids, strict=True))
+        return segmented, found
 
     async def translate(self, texts: Sequence[str], options: DecodingOptions, timeout: float) -> list[ItemResult]:
         """Translate every text; all their sentences go through the batcher together."""
         start = time.perf_counter()
         with timing.phase("prepare"):
-            prepared = self.prepare(texts)
-        flat = [(text_index, ids) for text_index, (_, ids_list) in enumerate(prepared) for ids in ids_list]
-        sources = [s for segs, _ in prepared for s in sentences(segs)]
-        results: list[list[Hypothesis] | None] = [self._cache_get(s, options) for s in sources]
-        missing = [i for i, r in enumerate(results) if r is None]
-        jobs = self.scheduler.submit([flat[i][1] for i in missing], options) if missing else []
+            segmented, sents = self.prepare(texts)
+        for sent in sents:
+            sent.hypotheses = self._cache_get(sent.source, options)
+        missing = [sent for sent in sents if sent.hypotheses is None]
+        jobs = self.scheduler.submit([sent.ids for sent in missing], options) if missing else []
+        for sent, job in zip(missing, jobs, strict=True):
+            sent.job = job
         await self.wait(jobs, timeout)
-        for i, job in zip(missing, jobs, strict=True):
-            results[i] = job.future.result()
-            self._cache_put(sources[i], options, job.future.result())
+        for sent in missing:
+            assert sent.job is not None
+            sent.hypotheses = sent.job.future.result()
+            self._cache_put(sent.source, options, sent.hypotheses)
         record_sentence_phases(jobs)
         queue_ms = max((1000 * (j.started - j.enqueued) for j in jobs), default=0.0)
         total_ms = 1000 * (time.perf_counter() - start)
-        out, cursor = [], 0
+        per_item: list[list[SentenceResult]] = [[] for _ in texts]
+        for sent in sents:
+            per_item[sent.item].append(sent.result())
         with timing.phase("detokenize"):
-            for segs, ids_list in prepared:
-                sents = [
-                    SentenceResult(sources[k], flat[k][1], results[k] or [], k not in missing)
-                    for k in range(cursor, cursor + len(ids_list))
-                ]
-                cursor += len(ids_list)
-                out.append(ItemResult(self._texts(segs, sents, options.n_best), sents, queue_ms, total_ms))
-        return out
+            return [
+                ItemResult(self._texts(segs, results, options.n_best), results, queue_ms, total_ms)
+                for segs, results in zip(segmented, per_item, strict=True)
+            ]
 
     async def wait(self, jobs: Sequence[Work], timeout: float) -> None:
         """Await jobs; on timeout or cancellation withdraw whatever is still queued."""
@@ -161,7 +212,7 @@ class TranslationService:
             await asyncio.wait_for(asyncio.gather(*(j.future for j in jobs)), timeout)
         except TimeoutError:
             self.scheduler.cancel(jobs)
-            raise ApiError(504, "timeout", f"translation took longer than {timeout:g} s") from None
+            raise Timeout(timeout) from None
         except asyncio.CancelledError:
             self.scheduler.cancel(jobs)
             raise
@@ -202,9 +253,7 @@ class TranslationService:
             src_ids = self.translator.encode([text.strip()])[0]
         limit = min(self.settings.attention_max_tokens, self.translator.max_source_tokens)
         if len(src_ids) > limit:
-            raise ApiError(
-                422, "text_too_long", f"/attention takes at most {limit} tokens; this text has {len(src_ids)}"
-            )
+            raise TextTooLong(len(src_ids), limit)
         deadline = time.perf_counter() + timeout
         jobs = self.scheduler.submit([src_ids], options)
         await self.wait(jobs, timeout)

@@ -12,7 +12,11 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.batching import QueueFull, SchedulerClosed, TooLarge
+from app.errors import refusal
 from app.main import create_app
+from app.ratelimit import RateLimited
+from app.service import SentenceTooLong, TextTooLong, Timeout, TranslationError
 from app.settings import Settings
 from tests.factories import DOC, assert_error, sample, server_timing, start
 
@@ -278,3 +282,48 @@ def test_a_request_that_can_never_fit_is_413_not_retryable(tiny_weights_dir: Pat
         reply = post(client, "/translate", {"q": "Ein Hund. Eine Katze. Ein Pferd.", **DOC})  # 3 sentences, 1 text
         assert_error(reply, 413, "too_many_sentences")
         assert post(client, "/translate", {"q": ["Ein Hund.", "Eine Katze."], **DOC}).status_code == 200
+
+
+def test_the_schema_declares_the_key_the_form_body_and_the_answers(client: TestClient) -> None:
+    doc = client.get("/openapi.json").json()
+    assert doc["components"]["securitySchemes"]["APIKeyHeader"] == {
+        "type": "apiKey",
+        "in": "header",
+        "name": "X-API-Key",
+        "description": doc["components"]["securitySchemes"]["APIKeyHeader"]["description"],
+    }
+    assert doc["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    for path in ("/translate", "/attention", "/detect", "/suggest"):
+        operation = doc["paths"][path]["post"]
+        assert {"APIKeyHeader": []} in operation["security"] and {"HTTPBearer": []} in operation["security"]
+        content = operation["requestBody"]["content"]
+        assert set(content) == {"application/json", "application/x-www-form-urlencoded"}
+        form = content["application/x-www-form-urlencoded"]["schema"]["properties"]
+        assert all("null" not in str(prop) for prop in form.values()), path  # a form has no null
+    for path, model in (("/info", "InfoResponse"), ("/ready", "ReadyResponse"), ("/health", "HealthResponse")):
+        schema = doc["paths"][path]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+        assert schema == {"$ref": f"#/components/schemas/{model}"}
+    translate = doc["paths"]["/translate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert translate["properties"]["alternatives"]["maximum"] == 2  # min(max_alternatives, max_beam - 1)
+
+
+@pytest.mark.parametrize(
+    ("refused", "status", "error_type", "retry_after"),
+    [
+        (QueueFull("9 sentences queued (limit 8)", 3), 429, "queue_full", "3"),
+        (TooLarge("too many"), 413, "too_many_sentences", None),
+        (SchedulerClosed("shutting down"), 503, "shutting_down", "1"),
+        (RateLimited("minute", 10, 7), 429, "rate_limited", "7"),
+        (SentenceTooLong(2, 600, 511), 422, "text_too_long", None),
+        (TextTooLong(200, 128), 422, "text_too_long", None),
+        (Timeout(1.5), 504, "timeout", None),
+    ],
+)
+def test_what_the_service_refuses_gets_its_status_in_one_place(
+    refused: Exception, status: int, error_type: str, retry_after: str | None
+) -> None:
+    answer = refusal(refused)
+    assert (answer.status, answer.error_type) == (status, error_type)
+    assert (answer.headers or {}).get("Retry-After") == retry_after
+    if isinstance(refused, TranslationError | TooLarge | RateLimited):
+        assert answer.message == str(refused)
