@@ -45,7 +45,7 @@ class ModelFacts:
 
     sources: tuple[str, ...]
     targets: tuple[str, ...]
-    max_length: int  # longest output any model allows (max_positions - 1), smallest over models
+    max_length: int  # longest output any model allows (ModelConfig.max_tokens), smallest over models
     layers: int  # indices /attention accepts: min(encoder, decoder layers)
     heads: int
 
@@ -64,7 +64,7 @@ def model_facts(weights_dir: Path) -> ModelFacts | None:
     return ModelFacts(
         sources=tuple(sorted({str(m["source_lang"]) for m in metas})),
         targets=tuple(sorted({str(m["target_lang"]) for m in metas})),
-        max_length=min(c.max_positions - 1 for c in configs),
+        max_length=min(c.max_tokens for c in configs),
         layers=min(min(c.encoder_layers, c.decoder_layers) for c in configs),
         heads=min(c.n_heads for c in configs),
     )

@@ -150,7 +150,7 @@ def limited_options(
     options = service.decoding_options(beam_size, n_best, max_length)  # a narrower beam widened to n_best
     if options.beam_size > settings.max_beam:
         raise ApiError(422, "validation_error", f"beam_size: at most {settings.max_beam} (alternatives + 1 included)")
-    cap = service.translator.config.max_positions - 1
+    cap = service.translator.config.max_tokens
     if max_length is not None and max_length > cap:
         raise ApiError(422, "validation_error", f"max_length: at most {cap}")
     return options

@@ -250,7 +250,7 @@ class DecodeSession:
         model, cfg, rows = self.model, self.model.config, self._rows
         memory, mask, _ = model.encode(src)  # (B, S, D), (B, 1, 1, S)
         src_lengths = mask.sum(dim=(1, 2, 3))
-        limit = max_steps(src_lengths, self.options, cfg.max_positions - 1)  # (B,)
+        limit = max_steps(src_lengths, self.options, cfg.max_tokens)  # (B,)
         if self._cache is None:  # one row per sentence, widened to K by the first step
             self._cache = model.init_cache(memory, int(limit.max()))
         else:
