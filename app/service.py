@@ -23,6 +23,7 @@ from model import checkpoint, kernels
 from model.allocator import release_free_memory
 from model.decoding import DecodingOptions, Hypothesis
 from model.kernels import KernelPlan
+from model.precision import resolve_precision
 from model.translator import AttentionResult, Translator
 
 log = logging.getLogger(__name__)
@@ -102,19 +103,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_precision(name: str, device: torch.device) -> str:
-    """The ``TRANSLATOR_DTYPE`` setting -> a precision of ``model.kernels`` (auto: float16 on
-    CUDA, float32 on the CPU)."""
-    if name == "auto":
-        return "float16" if device.type == "cuda" else "float32"
-    return name
-
-
 def kernel_plan(settings: Settings) -> KernelPlan:
     """What the settings ask for, checked against this machine before anything is loaded:
     raises ``RuntimeError`` or ``UnsupportedPrecision`` naming the setting."""
     device = resolve_device(settings.device)
-    return kernels.choose(device, resolve_precision(settings.dtype, device))
+    return kernels.choose(device, resolve_precision(settings.dtype, device.type))
 
 
 class TranslationService:
@@ -122,7 +115,7 @@ class TranslationService:
 
     def __init__(self, path: Path, settings: Settings, metrics: Metrics) -> None:
         self.device = resolve_device(settings.device)
-        self.precision = resolve_precision(settings.dtype, self.device)
+        self.precision = resolve_precision(settings.dtype, self.device.type)
         ckpt = checkpoint.load(path, self.device, self.precision)
         self.plan = ckpt.plan
         self.meta, self.path = ckpt.meta, path

@@ -57,15 +57,6 @@ def install(provider: Any) -> None:
     _tracer = provider.get_tracer("app.tracing")
 
 
-def uninstall() -> None:
-    global _tracer
-    _tracer = None
-
-
-def enabled() -> bool:
-    return _tracer is not None
-
-
 def record_request(timing: RequestTiming, end: float, method: str, route: str, status: int, request_id: str) -> None:
     """Write the spans of a finished request (``end``: its perf_counter() at the last byte)."""
     if _tracer is None:

@@ -26,15 +26,7 @@ log = logging.getLogger(__name__)
 
 def read_rows(lines: Iterable[str]) -> list[dict[str, Any]]:
     """The load-benchmark rows (JSON objects with rps and latency keys) among ``lines``."""
-    rows = []
-    for line in lines:
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        row = json.loads(line)
-        if {"concurrency", "batching", "rps", "p50_ms", "p95_ms"} <= set(row):
-            rows.append(row)
-    return rows
+    return json_rows(lines, {"concurrency", "batching", "rps", "p50_ms", "p95_ms"})
 
 
 def plot(rows: list[dict[str, Any]], out: Path, title: str = "Server latency against throughput") -> Path:

@@ -6,10 +6,10 @@ import time
 
 import torch
 
-from model.config import ModelConfig
 from model.decoding import DecodingOptions, decode
 from model.train import inverse_sqrt_schedule, smoothed_loss
 from model.transformer import Transformer
+from tests.factories import tiny_config
 
 V, LENGTH, BOS, EOS = 14, 10, 2, 3  # symbols are ids 4..13
 
@@ -30,18 +30,7 @@ def exact_match(model: Transformer, src: torch.Tensor, beam_size: int) -> float:
 def test_copy_task_learns_to_copy() -> None:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    cfg = ModelConfig(
-        V,
-        V,
-        d_model=64,
-        n_heads=4,
-        encoder_layers=2,
-        decoder_layers=2,
-        d_ff=128,
-        dropout=0.0,
-        attention_dropout=0.0,
-        max_positions=32,
-    )
+    cfg = tiny_config(V, d_model=64, d_ff=128, max_positions=32)
     model = Transformer(cfg)
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3, betas=(0.9, 0.98), eps=1e-9)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(100))
