@@ -21,8 +21,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, make_asgi_
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
 from starlette.types import Receive, Scope, Send
 
-from app import attention_view, timing
+from app import attention_view, html, timing
 from app.deps import StateDep, body, direction_service
+from app.engine import Legs
 from app.errors import ApiError
 from app.openapi import RequestModels, request_body
 from app.schemas import (
@@ -191,36 +192,85 @@ async def until_disconnect(request: Request, state: AppState, work: Awaitable[T]
 
 async def translate_texts(payload: TranslateRequest, state: AppState, request: Request) -> TranslateResponse:
     """/translate: texts grouped by source language (given, or detected per text), each group
-    through its model (or two, through the pivot), the answer in the shape of ``q``."""
+    through its model (or two, through the pivot), the answer in the shape of ``q``. HTML
+    (``format: "html"``) goes through ``app.html``: its text translated, its markup kept."""
     texts = [payload.q] if isinstance(payload.q, str) else payload.q
     check_texts(texts, state.settings)
-    detected = [state.detect_source(text) for text in texts] if payload.source == "auto" else None
+    is_html = payload.format == "html"
+    detected = (
+        [state.detect_source(html.visible_text(text) if is_html else text) for text in texts]
+        if payload.source == "auto"
+        else None
+    )
     sources = [d.language for d in detected] if detected is not None else [payload.source] * len(texts)
     groups: dict[str, list[int]] = {}  # source language -> its texts' positions
     for i, source in enumerate(sources):
         groups.setdefault(source, []).append(i)
-    routes = {source: state.route(source, payload.target) for source in groups}  # 1 model, or 2 via English
+    deadline = time.monotonic() + state.settings.request_timeout_s
+    legs = {source: request_legs(state.route(source, payload.target), payload, state, deadline) for source in groups}
     for source, positions in groups.items():  # shed load before tokenizing: each text has a sentence
-        for leg in routes[source]:
-            leg.scheduler.check_room(len(positions))
-    work = [
-        translate_through(routes[source], [texts[i] for i in positions], payload, state.settings)
-        for source, positions in groups.items()
-    ]
-    done = await until_disconnect(request, state, asyncio.gather(*work))
-    items: list[ItemResult] = [None] * len(texts)  # type: ignore[list-item]
-    for positions, results in zip(groups.values(), done, strict=True):
-        for i, item in zip(positions, results, strict=True):
-            items[i] = item
-    details = [item_details(routes[s], i) for s, i in zip(sources, items, strict=True)] if payload.details else None
+        for service in legs[source].services:
+            service.scheduler.check_room(len(positions))
     found = (
         [DetectionResult(language=d.language, confidence=d.confidence) for d in detected]
         if detected is not None
         else None
     )
+    if is_html:
+        pages = await until_disconnect(request, state, translate_pages(texts, groups, legs))
+        timing.returned()
+        return shaped_pages(isinstance(payload.q, str), pages, bool(payload.alternatives), found)
+    work = [legs[source].items([texts[i] for i in positions]) for source, positions in groups.items()]
+    done = await until_disconnect(request, state, asyncio.gather(*work))
+    items: list[ItemResult] = [None] * len(texts)  # type: ignore[list-item]
+    for positions, results in zip(groups.values(), done, strict=True):
+        for i, item in zip(positions, results, strict=True):
+            items[i] = item
+    services = {source: list(leg.services) for source, leg in legs.items()}
+    details = [item_details(services[s], i) for s, i in zip(sources, items, strict=True)] if payload.details else None
     answer = shaped(isinstance(payload.q, str), items, bool(payload.alternatives), details, found)
     timing.returned()
     return answer
+
+
+def request_legs(route: list[TranslationService], payload: TranslateRequest, state: AppState, deadline: float) -> Legs:
+    """The models of a route (one, or two via English) with the request's options for each (the
+    alternatives come from the last; none for HTML), within this server's limits (422)."""
+    settings = state.settings
+    n_best = 1 if payload.format == "html" else payload.alternatives + 1
+    options = [
+        limited_options(
+            leg,
+            settings,
+            payload.beam_size,
+            n_best if last else 1,
+            payload.max_length if last else None,
+        )
+        for leg, last in ((leg, number == len(route) - 1) for number, leg in enumerate(route))
+    ]
+    return Legs(tuple(route), tuple(options), deadline)
+
+
+async def translate_pages(texts: list[str], groups: dict[str, list[int]], legs: dict[str, Legs]) -> list[str]:
+    """HTML texts through ``app.html``, each source language's through its legs, in order."""
+    work = [html.translate_html([texts[i] for i in positions], legs[source]) for source, positions in groups.items()]
+    translated: list[str] = [""] * len(texts)
+    for positions, results in zip(groups.values(), await asyncio.gather(*work), strict=True):
+        for i, text in zip(positions, results, strict=True):
+            translated[i] = text
+    return translated
+
+
+def shaped_pages(
+    single: bool, pages: list[str], alternatives: bool, detected: list[DetectionResult] | None
+) -> TranslateResponse:
+    """The /translate answer for HTML: no alternatives (an empty list each when asked, as
+    LibreTranslate answers) and no details."""
+    return TranslateResponse(
+        translatedText=pages[0] if single else pages,
+        alternatives=([] if single else [[] for _ in pages]) if alternatives else None,
+        detectedLanguage=(detected[0] if single else detected) if detected is not None else None,
+    )
 
 
 def shaped(
@@ -241,22 +291,6 @@ def shaped(
         details=each(details),
         detectedLanguage=each(detected),
     )
-
-
-async def translate_through(
-    legs: list[TranslationService], texts: list[str], payload: TranslateRequest, settings: Settings
-) -> list[ItemResult]:
-    """Translate with one model, or through two (the pivot): the first leg's best translation is
-    the second leg's source; the alternatives come from the last leg. One timeout for both."""
-    deadline = time.monotonic() + settings.request_timeout_s
-    items: list[ItemResult] = []
-    for number, leg in enumerate(legs):
-        last = number == len(legs) - 1
-        n_best = payload.alternatives + 1 if last else 1
-        options = limited_options(leg, settings, payload.beam_size, n_best, payload.max_length if last else None)
-        items = await leg.translate(texts, options, max(deadline - time.monotonic(), 0.001))
-        texts = [item.texts[0] for item in items]
-    return items
 
 
 def item_details(legs: list[TranslationService], item: ItemResult) -> ItemDetails:

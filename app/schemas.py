@@ -17,7 +17,11 @@ class TranslateRequest(BaseModel):
     q: StrictStr | list[StrictStr] = Field(..., description="a text, or a list of texts")
     source: StrictStr = Field(..., description='source language code, e.g. de; "auto" detects it per text')
     target: StrictStr = Field(..., description="target language code, e.g. en")
-    format: Literal["text"] = Field("text", description='only "text" is supported')
+    format: Literal["text", "html"] = Field(
+        "text",
+        description='"html": translate the text of an HTML fragment or document and keep its markup '
+        "(no alternatives or details then)",
+    )
     alternatives: int = Field(0, ge=0, description="extra translations to return (n-best)")
     beam_size: int | None = Field(
         None, ge=1, description="default: the model card's beam size; widened to alternatives + 1 when smaller"

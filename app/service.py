@@ -16,11 +16,13 @@ import torch
 
 from app import timing
 from app.batching import BatchLimits, BatchScheduler, Job, Work
+from app.markup import Aligned
 from app.metrics import Metrics
 from app.segmentation import Segment, rejoin, segment, sentences
 from app.settings import Settings
 from model import checkpoint, kernels
 from model.allocator import release_free_memory
+from model.attention_words import merge_pieces, word_alignment
 from model.decoding import DecodingOptions, Hypothesis
 from model.kernels import KernelPlan
 from model.precision import resolve_precision
@@ -256,6 +258,39 @@ class TranslationService:
             call = self.scheduler.call(lambda: self.translator.attention(src_ids, hyp.ids))
             await self.wait([call], max(deadline - time.perf_counter(), 0.001))
         return self.translator.tokenizer.decode([hyp.ids])[0], call.future.result()
+
+    async def translate_aligned(
+        self, sentences: Sequence[str], options: DecodingOptions, timeout: float
+    ) -> tuple[list[ItemResult], list[Aligned | None]]:
+        """Translate sentences as ``translate`` does, and align each best translation's words
+        with its source's (``model.attention_words.word_alignment``, one teacher-forced pass
+        each on the model's thread). A text that is more than one sentence gets no alignment."""
+        deadline = time.perf_counter() + timeout
+        items = await self.translate(sentences, options, timeout)
+        pairs = [
+            (text, item.sentences[0]) if len(item.sentences) == 1 else None
+            for text, item in zip(sentences, items, strict=True)
+        ]
+        with timing.phase("align"):
+            call = self.scheduler.call(lambda: [None if p is None else self._align(*p) for p in pairs])
+            await self.wait([call], max(deadline - time.perf_counter(), 0.001))
+        return items, call.future.result()
+
+    def _align(self, text: str, sentence: SentenceResult) -> Aligned | None:
+        tokenizer = self.translator.tokenizer
+        ids, spans = tokenizer.piece_spans(text.strip())
+        if ids != sentence.source_ids:  # (the text was not the sentence itself)
+            return None
+        lead = len(text) - len(text.lstrip())
+        hyp = sentence.hypotheses[0].ids
+        result = self.translator.attention(ids, hyp)
+        _, source_groups = merge_pieces(result.source[:-1])  # (</s> last)
+        _, target_groups = merge_pieces(result.target[:-1])
+        return Aligned(
+            words=tuple(tokenizer.decode([[hyp[i] for i in group] for group in target_groups])),
+            links=tuple(word_alignment(result.cross, result.source, result.target)),
+            source_spans=tuple((lead + spans[g[0]][0], lead + spans[g[-1]][1]) for g in source_groups),
+        )
 
     def info(self) -> dict[str, Any]:
         cfg = self.translator.config

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-PHASES = ("parse", "prepare", "queue", "encode", "decode", "handoff", "maps", "detokenize", "respond")
+PHASES = ("parse", "prepare", "queue", "encode", "decode", "handoff", "maps", "align", "detokenize", "respond")
 
 
 @dataclass

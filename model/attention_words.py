@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 MARKER = "▁"
+CONTROL = frozenset(["<s>", "</s>", "<pad>"])  # pieces that are not words of the text
 ArrayT = TypeVar("ArrayT", torch.Tensor, np.ndarray)
 
 
@@ -82,3 +83,26 @@ def merge_map(attn: ArrayT, query_groups: Sequence[Sequence[int]], key_groups: S
         total_t = torch.as_tensor(total, dtype=attn.dtype, device=attn.device)
         return avg_t @ attn @ total_t
     return (avg.astype(attn.dtype) @ attn @ total.astype(attn.dtype)).astype(attn.dtype)
+
+
+def word_alignment(cross: torch.Tensor, source: Sequence[str], target: Sequence[str]) -> list[int | None]:
+    """Target word -> the source word it attends to most, from cross-attention averaged over
+    layers and heads (end-of-sentence left out; ``None`` only when the source has no word).
+
+    cross: (L, H, T, S) over ``target`` and ``source`` pieces (as ``AttentionResult`` has
+    them); words as ``merge_pieces`` makes them, special pieces (``</s>``) left out on both
+    sides, so index w is the w-th real word of each side.
+    """
+    _, source_groups = merge_pieces(source)
+    _, target_groups = merge_pieces(target)
+    words = merge_map(cross.float().mean(dim=(0, 1)), target_groups, source_groups)  # (Wt, Ws)
+    real_source = [w for w, group in enumerate(source_groups) if source[group[0]] not in CONTROL]
+    number = {w: n for n, w in enumerate(real_source)}
+    links: list[int | None] = []
+    for w, group in enumerate(target_groups):
+        if target[group[0]] in CONTROL:
+            continue
+        row = words[w]
+        best = max(real_source, key=lambda k: float(row[k]), default=None)
+        links.append(None if best is None else number[best])
+    return links

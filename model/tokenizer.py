@@ -55,6 +55,21 @@ class Tokenizer:
         """Decode ids to detokenized, cased text (special ids are dropped)."""
         return [str(self.sp.decode(list(x))) for x in ids]
 
+    def piece_spans(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """``text``'s ids (as ``encode`` gives them) and each piece's (start, end) character span
+        in ``text``, the whitespace before a word not included."""
+        proto = self.sp.encode(text, return_type="proto")
+        raw = text.encode("utf-8")
+        ids, spans = [], []
+        for piece in proto.pieces:
+            start = len(raw[: piece.begin].decode("utf-8", errors="ignore"))
+            end = len(raw[: piece.end].decode("utf-8", errors="ignore"))
+            while start < end and text[start].isspace():
+                start += 1
+            ids.append(int(piece.id))
+            spans.append((start, end))
+        return ids, spans
+
     def pieces(self, ids: Sequence[int]) -> list[str]:
         """Ids to sentencepiece pieces (word starts carry the '▁' marker)."""
         return [str(self.sp.id_to_piece(int(i))) for i in ids]

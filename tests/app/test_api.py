@@ -97,7 +97,7 @@ def test_form_encoded_libretranslate_request(client: TestClient) -> None:
         ({"q": "Hallo", "beam_size": 0, **DOC}, "validation_error"),
         ({"q": "Hallo", "alternatives": 3, **DOC}, "validation_error"),
         ({"q": "Hallo", "max_length": 100000, **DOC}, "validation_error"),
-        ({"q": "Hallo", "format": "html", **DOC}, "validation_error"),
+        ({"q": "Hallo", "format": "markdown", **DOC}, "validation_error"),
         ({"q": 42, **DOC}, "validation_error"),
         ({"q": "Hallo", "beam_size": "many", **DOC}, "validation_error"),
         ({"q": "Hallo", "details": {"a": 1}, **DOC}, "validation_error"),

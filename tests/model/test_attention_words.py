@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from model.attention_words import merge_map, merge_pieces
+from model.attention_words import merge_map, merge_pieces, word_alignment
 
 SOURCE = ["▁Ein", "▁Mann", "▁fährt", "▁Fahr", "rad", ".", "</s>"]
 TARGET_INPUT = ["<s>", "▁A", "▁man", "▁ri", "des", "▁a", "▁bike", "."]
@@ -76,3 +76,16 @@ def test_numpy_arrays_work_too_and_identity_groups_change_nothing() -> None:
 def test_groups_must_split_the_axis_exactly(groups: list[list[int]]) -> None:
     with pytest.raises(ValueError, match="groups"):
         merge_map(random_maps(3, 3), [[0], [1], [2]], groups)
+
+
+def test_word_alignment_links_each_target_word_to_its_strongest_source_word() -> None:
+    source = ["▁Ein", "▁Fahr", "rad", "</s>"]  # words: Ein, Fahrrad
+    target = ["▁A", "▁bi", "cycle", "</s>"]  # words: A, bicycle
+    cross = torch.zeros(2, 2, 4, 4)  # (L, H, T, S)
+    cross[..., 0, 0] = 1.0  # A -> Ein
+    cross[..., 1, 1] = 0.3  # bi -> Fahr + rad (0.6 for the word) ...
+    cross[..., 1, 2] = 0.3
+    cross[..., 1, 3] = 0.4  # ... although </s> is the strongest single piece
+    cross[..., 2, 2] = 1.0
+    cross[..., 3, 3] = 1.0  # </s> -> </s>: no word
+    assert word_alignment(cross, source, target) == [0, 1]

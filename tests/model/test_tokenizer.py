@@ -33,3 +33,12 @@ def test_bad_model_is_a_clear_error(tmp_path) -> None:  # type: ignore[no-untype
     (tmp_path / "bad.model").write_bytes(b"not a model")
     with pytest.raises(TokenizerError):
         Tokenizer.load(tmp_path / "bad.model")
+
+
+def test_piece_spans_point_at_each_piece_in_the_text(tiny_tokenizer: Tokenizer) -> None:
+    text = "Ein  Mann fährt über die Straße."  # two spaces, non-ASCII letters (2 bytes each)
+    ids, spans = tiny_tokenizer.piece_spans(text)
+    assert ids == tiny_tokenizer.encode([text])[0]
+    pieces = tiny_tokenizer.pieces(ids)
+    for piece, (start, end) in zip(pieces, spans, strict=True):
+        assert text[start:end] == piece.removeprefix("▁")
