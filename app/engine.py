@@ -43,12 +43,12 @@ class Legs:
         texts = list(sentences)
         for number, (service, options) in enumerate(zip(self.services, self.options, strict=True)):
             items, aligned = await service.translate_aligned(texts, options, self.remaining())
-            found = aligned if number == 0 else [_compose(a, b) for a, b in zip(found, aligned, strict=True)]
+            found = aligned if number == 0 else [compose(a, b) for a, b in zip(found, aligned, strict=True)]
             texts = [item.texts[0] for item in items]
         return found
 
 
-def _compose(first: Aligned | None, second: Aligned | None) -> Aligned | None:
+def compose(first: Aligned | None, second: Aligned | None) -> Aligned | None:
     """source -> pivot (``first``) and pivot -> target (``second``, whose source is the text
     of ``first.words``) as source -> target."""
     if first is None or second is None:

@@ -117,3 +117,13 @@ def test_a_block_without_text_is_not_sent() -> None:
     block = (Run("  "), Run("", atom=0))
     assert run(engine, block) == block
     assert engine.asked_plain == [] and engine.asked_aligned == []
+
+
+def test_through_the_pivot_a_word_links_to_the_source_word_its_pivot_word_links_to() -> None:
+    from app.engine import compose
+
+    german = "Ein roter Hund"
+    first = Aligned(("A", "red", "dog"), (0, 1, 2), spans(german))  # de -> en
+    second = Aligned(("Un", "chien", "rouge"), (0, 2, 1), spans("A red dog"))  # en -> fr
+    assert compose(first, second) == Aligned(("Un", "chien", "rouge"), (0, 2, 1), spans(german))
+    assert compose(first, None) is None and compose(None, second) is None
