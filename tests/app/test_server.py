@@ -177,9 +177,10 @@ def sigterm_while_busy(
 
 def test_sigterm_finishes_accepted_requests(weights_env: dict[str, str], test_sentences: list[str]) -> None:
     bodies = [{"q": test_sentences[i : i + 6], **DOC} for i in range(8)]
-    # a drain timeout far above the work's (~5-25 s on 2 busy cores): what is tested is that the
-    # accepted work finishes, not how fast (the tests below cut it off on purpose)
+    # drain and request timeouts far above the work's (~5-40 s on 2 busy cores): what is tested is
+    # that the accepted work finishes, not how fast (the tests below cut it off on purpose)
     settings = {"TRANSLATOR_MAX_BATCH_SENTENCES": "2", "TRANSLATOR_DRAIN_TIMEOUT_S": "100"}
+    settings["TRANSLATOR_REQUEST_TIMEOUT_S"] = "100"
     results, url, log = sigterm_while_busy(weights_env, bodies, settings, exit_within=110)
     assert [r.status_code for r in results] == [200] * 8
     assert all(len(r.json()["translatedText"]) == 6 for r in results)
