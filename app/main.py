@@ -17,6 +17,7 @@ from app.middleware import BodyLimitMiddleware, JsonCorsMiddleware, RequestConte
 from app.routes import STATIC, build_router
 from app.settings import Settings
 from app.state import AppState
+from app.uploads import FORM_OVERHEAD
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_headers=["*"],
             expose_headers=["X-Request-ID", "Server-Timing"],
         )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    # an upload's limit is the file's (its form around it included); app.uploads stops at the file's own
+    uploads = {"/translate_file": settings.max_file_bytes + FORM_OVERHEAD}
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, paths=uploads)
     app.add_middleware(RequestContextMiddleware, metrics=state.metrics)
     return app
 

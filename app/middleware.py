@@ -8,6 +8,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Mapping
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -23,7 +24,7 @@ log = logging.getLogger("app.access")
 
 ENDPOINTS = frozenset(
     ["/translate", "/attention", "/detect", "/suggest", "/languages", "/frontend/settings", "/info", "/health",
-     "/ready", "/metrics", "/", "/docs", "/openapi.json"]
+     "/ready", "/metrics", "/", "/docs", "/openapi.json", "/translate_file"]
 )  # fmt: skip
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
@@ -32,6 +33,8 @@ def endpoint_label(path: str) -> str:
     """A bounded label value: known endpoints by name, static files together, all else "other"."""
     if path in ENDPOINTS:
         return path
+    if path.startswith("/download_file/"):
+        return "/download_file"
     return "/static" if path.startswith("/static/") else "other"
 
 
@@ -105,23 +108,25 @@ class JsonCorsMiddleware(CORSMiddleware):
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over ``max_bytes``: by Content-Length at once, or while streaming.
+    """413 for bodies over ``max_bytes`` (or the limit ``paths`` gives a path: an upload's):
+    by Content-Length at once, or while streaming.
 
     Not FastAPI's ``max_body_size`` (Starlette's ``RequestBodyLimitMiddleware``): for a body
     whose Content-Length is over the limit, that one replaces whatever the app answers with a
     plain-text "Content Too Large", so clients would lose the service's JSON error shape
     (tried; tests/app/test_api.py::test_malformed_bodies failed on it)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, paths: Mapping[str, int] | None = None) -> None:
+        self.app, self.max_bytes, self.paths = app, max_bytes, dict(paths or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.paths.get(scope["path"], self.max_bytes)
         length = dict(scope.get("headers", [])).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            await _reject(send, self.max_bytes)
+        if length is not None and (not length.isdigit() or int(length) > max_bytes):
+            await _reject(send, max_bytes)
             return
         seen = 0
 
@@ -130,8 +135,8 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise BodyTooLarge(self.max_bytes)
+                if seen > max_bytes:
+                    raise BodyTooLarge(max_bytes)
             return message
 
         await self.app(scope, limited_receive, send)

@@ -21,8 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, make_asgi_
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
 from starlette.types import Receive, Scope, Send
 
-from app import attention_view, html, timing
-from app.deps import StateDep, body, direction_service
+from app import attention_view, documents, html, timing, uploads
+from app.deps import HeaderKey, StateDep, body, direction_service
 from app.engine import Legs
 from app.errors import ApiError
 from app.openapi import RequestModels, request_body
@@ -47,6 +47,7 @@ from app.schemas import (
     SuggestRequest,
     SuggestResponse,
     Timings,
+    TranslateFileResponse,
     TranslateRequest,
     TranslateResponse,
 )
@@ -61,6 +62,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 403, 413, 422, 429, 503, 504)
 }
 T = TypeVar("T")
+DETECT_CHARS = 10_000  # of a document's text, for source "auto" (enough to tell; bounded work)
 
 
 def build_router(models: RequestModels) -> APIRouter:
@@ -112,6 +114,25 @@ def build_router(models: RequestModels) -> APIRouter:
         """Translate one text and return per-layer, per-head attention maps of the translation."""
         return await attention_maps(payload, service, state, request)
 
+    @router.post(
+        "/translate_file",
+        response_model_exclude_none=True,
+        responses={**ERRORS, 415: {"model": ErrorResponse}},
+        openapi_extra=uploads.upload_body(models.translate),
+    )
+    async def translate_file(request: Request, state: StateDep, key: HeaderKey) -> TranslateFileResponse:
+        """Translate a document (LibreTranslate's /translate_file): multipart/form-data with the
+        ``file`` (.txt, .html, .srt, .docx), ``source`` (or "auto") and ``target``. The answer
+        says where to download the translation (``GET /download_file/{name}``, for a while)."""
+        return await translate_document(request, state, key)
+
+    router.add_api_route(
+        "/download_file/{name}",
+        download_file,
+        methods=["GET"],
+        response_class=Response,
+        responses=uploads.DOWNLOAD_RESPONSES,
+    )
     add_service_routes(router)
     return router
 
@@ -322,6 +343,58 @@ def item_details(legs: list[TranslationService], item: ItemResult) -> ItemDetail
     )
 
 
+async def translate_document(request: Request, state: AppState, key: str | None) -> TranslateFileResponse:
+    """/translate_file: the upload read (at most ``max_file_bytes``), the client admitted as by
+    every route, the document checked and parsed (``app.documents``; 400 with its error type),
+    its text counted against the client's limits and the queue, translated through the legs of
+    its route, and kept in memory (``state.files``) under a random name."""
+    settings = state.settings
+    upload = await uploads.read_upload(request, settings.max_file_bytes)
+    client = await uploads.admit(request, state, key, upload)
+    source, target = upload.field("source"), upload.field("target")
+    route = state.route(source, target) if source != "auto" else None  # (503 while loading, 422)
+    state.require_ready()
+    timing.parsed()
+    try:
+        document = await asyncio.to_thread(documents.parse, upload.filename or "", upload.data)
+    except documents.DocumentError as err:
+        raise ApiError(400, err.error_type, str(err)) from None
+    uploads.check_characters(document.texts, state.rate_limiter.limits_for(client).chars)
+    count = await asyncio.to_thread(documents.sentence_count, document.texts)  # (megabytes of text)
+    if not count:
+        raise ApiError(400, "empty_document", "file: no text to translate")
+    detected = state.detect_source(" ".join(document.texts)[:DETECT_CHARS]) if route is None else None
+    route = route or state.route(detected.language if detected else source, target)
+    options = tuple(limited_options(leg, settings, None, 1, None) for leg in route)
+    legs = Legs(tuple(route), options, time.monotonic() + settings.request_timeout_s)
+    for service in legs.services:  # more sentences than the queue holds: 413 (or 429 while busy)
+        service.scheduler.check_room(count)
+    data = await until_disconnect(request, state, document.translate(legs))
+    fmt = document.format
+    try:
+        name = state.files.put(
+            uploads.safe_filename(upload.filename or "", fmt.suffix), fmt.media_type, data, fmt.suffix
+        )
+    except ValueError as err:
+        raise ApiError(413, "file_too_large", f"the translation is too large to keep: {err}") from None
+    timing.returned()
+    return TranslateFileResponse(
+        translatedFileUrl=str(request.url_for("download_file", name=name)),
+        detectedLanguage=DetectionResult(language=detected.language, confidence=detected.confidence)
+        if detected
+        else None,
+    )
+
+
+async def download_file(name: str, state: StateDep) -> Response:
+    """A translated document as an attachment (LibreTranslate's /download_file); 404 for a name
+    that expired, was evicted or never existed."""
+    stored = state.files.get(name)
+    if stored is None:
+        raise ApiError(404, "not_found", "no such file: it expired, or was never made here")
+    return uploads.download(stored)
+
+
 def suggestions_enabled(state: StateDep) -> None:
     if state.suggestions is None:
         raise ApiError(403, "suggestions_disabled", "suggestions are disabled on this server")
@@ -373,8 +446,8 @@ async def frontend_settings(state: StateDep) -> FrontendSettings:
         charLimit=s.char_limit or s.max_text_chars,
         frontendTimeout=500,
         suggestions=s.suggestions,
-        filesTranslation=False,
-        supportedFilesFormat=[],
+        filesTranslation=True,
+        supportedFilesFormat=list(documents.FORMATS),
         language=FrontendLanguages(
             source=LanguageRef(code="auto", name="Auto Detect"),
             target=LanguageRef(code=targets[0], name=LANGUAGE_NAMES.get(targets[0], targets[0])),

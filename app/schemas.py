@@ -71,6 +71,15 @@ class TranslateResponse(BaseModel):
     )
 
 
+class TranslateFileResponse(BaseModel):
+    """LibreTranslate's /translate_file answer."""
+
+    translatedFileUrl: str = Field(description="where to GET the translated file (kept for a while, in memory)")
+    detectedLanguage: DetectionResult | None = Field(
+        None, description='with source "auto": the language the document was taken to be in'
+    )
+
+
 class DetectRequest(BaseModel):
     """LibreTranslate's /detect body."""
 

@@ -56,6 +56,14 @@ class Settings(BaseSettings):
     max_beam: int = Field(8, ge=1, description="largest beam_size accepted")
     max_alternatives: int = Field(4, ge=0, description="largest number of alternatives accepted")
     max_body_bytes: int = Field(1_000_000, ge=1024, description="request bodies above this get 413")
+    max_file_bytes: int = Field(
+        5_000_000, ge=1024, description="POST /translate_file: files above this get 413 (instead of max_body_bytes)"
+    )
+    file_results_max: int = Field(100, ge=1, description="translated files kept for download (the oldest go first)")
+    file_results_max_bytes: int = Field(
+        50_000_000, ge=1024, description="bytes of translated files kept for download, all together (in memory)"
+    )
+    file_results_ttl_s: float = Field(600.0, gt=0, description="seconds a translated file can be downloaded")
     attention_max_tokens: int = Field(128, ge=1, description="longest text (tokens) /attention accepts")
     attention_max_cells: int = Field(1_000_000, ge=1, description="most attention values in one /attention reply")
     suggestions: bool = Field(False, description="accept POST /suggest (else 403) and keep suggestions in SQLite")

@@ -12,6 +12,7 @@ import torch
 
 from app.detection import Detection, Detector, NotServed
 from app.errors import ApiError
+from app.files import FileStore
 from app.metrics import Metrics
 from app.ratelimit import RateLimiter
 from app.service import TranslationService, discover, kernel_plan
@@ -41,6 +42,9 @@ class AppState:
         self.requests: set[asyncio.Task[object]] = set()  # requests waiting on the model (routes add them)
         self.detector: Detector | None = None  # built with the models, for the languages they take
         self.suggestions = SuggestionStore(settings.data_dir) if settings.suggestions else None
+        self.files = FileStore(  # translated documents awaiting download (app/files.py)
+            settings.file_results_max, settings.file_results_max_bytes, settings.file_results_ttl_s
+        )
 
     def check(self) -> None:
         """Refuse settings this machine cannot run (CUDA without a GPU, int8 without AVX2, no

@@ -61,7 +61,7 @@ def test_frontend_settings_in_libretranslate_shape(client: TestClient) -> None:
     settings = client.get("/frontend/settings").json()
     assert settings["charLimit"] == 500 and settings["keyRequired"] is False and settings["apiKeys"] is False
     assert settings["language"]["source"] == {"code": "auto", "name": "Auto Detect"}
-    assert settings["language"]["target"]["code"] == "en" and settings["filesTranslation"] is False
+    assert settings["language"]["target"]["code"] == "en" and settings["filesTranslation"] is True
 
 
 def test_suggest_is_refused_unless_enabled(client: TestClient) -> None:
