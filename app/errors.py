@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.batching import QueueFull, SchedulerClosed, TooLarge
+from app.files import FileStoreError
 from app.logs import request_id_var
 from app.ratelimit import RateLimited
 from app.service import SentenceTooLong, TextTooLong, Timeout, TranslationError
@@ -59,12 +60,20 @@ def describe_validation(errors: list[Any]) -> str:
 
 # What the service, its scheduler and the rate limiter refuse, raised as their own errors
 # (they know nothing of HTTP) and given a status here, in one place.
-REFUSALS: tuple[type[Exception], ...] = (TranslationError, QueueFull, TooLarge, SchedulerClosed, RateLimited)
+REFUSALS: tuple[type[Exception], ...] = (
+    TranslationError,
+    QueueFull,
+    TooLarge,
+    SchedulerClosed,
+    RateLimited,
+    FileStoreError,
+)
 
 
 def refusal(err: Exception) -> ApiError:
     """The HTTP answer to one of ``REFUSALS``: 429 (retry after the queue's measured drain
-    time, or the client's rate limit), 413 (never fits: not retryable), 503 (shutting down),
+    time, or the client's rate limit), 413 (never fits: not retryable), 503 (shutting down, or
+    the file store unreachable),
     422 (a sentence or text too long for the model), 504 (the request timeout passed)."""
     match err:
         case QueueFull():
@@ -80,6 +89,8 @@ def refusal(err: Exception) -> ApiError:
             return ApiError(422, "text_too_long", str(err))
         case Timeout():
             return ApiError(504, "timeout", str(err))
+        case FileStoreError():
+            return ApiError(503, "storage_unavailable", str(err), {"Retry-After": "5"})
     log.error("no HTTP status for %r", err)
     return ApiError(500, "internal_error", "internal server error")
 

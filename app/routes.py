@@ -372,7 +372,7 @@ async def translate_document(request: Request, state: AppState, key: str | None)
     data = await until_disconnect(request, state, document.translate(legs))
     fmt = document.format
     try:
-        name = state.files.put(
+        name = await state.files.put(
             uploads.safe_filename(upload.filename or "", fmt.suffix), fmt.media_type, data, fmt.suffix
         )
     except ValueError as err:
@@ -389,7 +389,7 @@ async def translate_document(request: Request, state: AppState, key: str | None)
 async def download_file(name: str, state: StateDep) -> Response:
     """A translated document as an attachment (LibreTranslate's /download_file); 404 for a name
     that expired, was evicted or never existed."""
-    stored = state.files.get(name)
+    stored = await state.files.get(name)
     if stored is None:
         raise ApiError(404, "not_found", "no such file: it expired, or was never made here")
     return uploads.download(stored)

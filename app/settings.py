@@ -64,6 +64,12 @@ class Settings(BaseSettings):
         50_000_000, ge=1024, description="bytes of translated files kept for download, all together (in memory)"
     )
     file_results_ttl_s: float = Field(600.0, gt=0, description="seconds a translated file can be downloaded")
+    file_results_storage: str = Field(
+        "memory://",
+        pattern=r"^(memory|redis|rediss|unix)://",
+        description="where translated files wait for download: memory:// (this process) or redis://host:6379 "
+        "(shared by the replicas, so any of them answers the download)",
+    )
     attention_max_tokens: int = Field(128, ge=1, description="longest text (tokens) /attention accepts")
     attention_max_cells: int = Field(1_000_000, ge=1, description="most attention values in one /attention reply")
     suggestions: bool = Field(False, description="accept POST /suggest (else 403) and keep suggestions in SQLite")

@@ -12,7 +12,7 @@ import torch
 
 from app.detection import Detection, Detector, NotServed
 from app.errors import ApiError
-from app.files import FileStore
+from app.files import file_store
 from app.metrics import Metrics
 from app.ratelimit import RateLimiter
 from app.service import TranslationService, discover, kernel_plan
@@ -42,8 +42,11 @@ class AppState:
         self.requests: set[asyncio.Task[object]] = set()  # requests waiting on the model (routes add them)
         self.detector: Detector | None = None  # built with the models, for the languages they take
         self.suggestions = SuggestionStore(settings.data_dir) if settings.suggestions else None
-        self.files = FileStore(  # translated documents awaiting download (app/files.py)
-            settings.file_results_max, settings.file_results_max_bytes, settings.file_results_ttl_s
+        self.files = file_store(  # translated documents awaiting download (app/files.py)
+            settings.file_results_storage,
+            settings.file_results_max,
+            settings.file_results_max_bytes,
+            settings.file_results_ttl_s,
         )
 
     def check(self) -> None:

@@ -252,6 +252,7 @@ def test_a_model_call_runs_between_steps_of_the_running_batch() -> None:
     async def scenario(h: Harness) -> None:
         first = h.scheduler.submit([LONG], GREEDY)[0]
         session = await h.paused()
+
         def note() -> int:
             ran.append((threading.current_thread().name, session.session.steps))
             return 42

@@ -370,3 +370,33 @@ def test_frontend_settings_and_the_schema_announce_files(client: TestClient) -> 
     assert form["properties"]["source"]["enum"] == ["auto", "de"]
     download = paths["/download_file/{name}"]["get"]["responses"]
     assert "application/x-subrip" in download["200"]["content"] and "404" in download
+
+
+def test_with_redis_storage_any_replica_answers_the_download(tiny_weights_dir: Path, redis_url: str) -> None:
+    """Two app instances (two replicas) sharing one real redis-server: a file translated by one
+    is downloaded from the other; the newest KEPT are kept; an unknown name is still a 404."""
+    settings = Settings(weights_dir=tiny_weights_dir, file_results_storage=redis_url, file_results_max=KEPT)
+    first, second = start(settings), start(settings)
+    one, other = next(first), next(second)
+    try:
+        urls = [upload(one, f"{n}.txt", f"Ein Hund Nummer {n}.".encode()).json()["translatedFileUrl"] for n in range(6)]
+        got = [other.get(url) for url in urls]
+        assert [r.status_code for r in got] == [404, 404] + [200] * KEPT
+        assert got[-1].headers["content-disposition"].startswith('attachment; filename="5.txt"')
+        assert got[-1].text.strip()
+        assert_error(other.get("/download_file/unknown.txt"), 404, "not_found")
+    finally:
+        first.close()
+        second.close()
+
+
+def test_an_unreachable_file_store_is_a_503_not_a_500(tiny_weights_dir: Path) -> None:
+    from bench.server import free_port
+
+    clients = start(Settings(weights_dir=tiny_weights_dir, file_results_storage=f"redis://127.0.0.1:{free_port()}"))
+    client = next(clients)
+    try:
+        assert_error(upload(client, "a.txt", GERMAN.encode()), 503, "storage_unavailable")
+        assert_error(client.get("/download_file/a.txt"), 503, "storage_unavailable")
+    finally:
+        clients.close()
