@@ -37,6 +37,9 @@ INLINE = frozenset(
 VOID = frozenset(["br", "img", "wbr", "input", "hr", "area", "embed", "source", "track", "col", "meta", "link"])
 ATTRIBUTES = ("title", "alt", "placeholder", "aria-label")
 _SPACE = re.compile(r"[ \t\n\r\f]+")  # HTML's whitespace (no-break space is text)
+# Characters no HTML (or XML) text may hold: C0 controls but tab and line breaks, U+FFFE, U+FFFF
+# (libxml2 refuses them; HTML parsers drop them as parse errors).
+_NOT_TEXT = dict.fromkeys([*range(0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0xFFFE, 0xFFFF])
 
 
 @dataclass
@@ -185,6 +188,7 @@ def _rebuild(slot: _Slot, block: Block, page: _Page) -> None:
 
 
 def _append_text(el: etree._Element, text: str) -> None:
+    text = text.translate(_NOT_TEXT)
     if len(el):
         el[-1].tail = (el[-1].tail or "") + text
     else:
@@ -207,7 +211,7 @@ async def translate_html(texts: Sequence[str], engine: Engine) -> list[str]:
     translated_values = await engine.texts(values) if values else []
     blocks = await translate_blocks(engine, page.blocks)
     for (el, name), value in zip(page.attributes, translated_values, strict=True):
-        el.set(name, value)
+        el.set(name, value.translate(_NOT_TEXT))
     for slot, block in zip(page.slots, blocks, strict=True):
         _rebuild(slot, block, page)
     return [_serialize(root, document) for root, document in parsed]
@@ -228,6 +232,7 @@ def visible_text(text: str) -> str:
 
 def _parse(text: str) -> tuple[etree._Element, bool]:
     """(root, whether it is a whole document). A fragment is parsed inside a ``div`` holder."""
+    text = text.translate(_NOT_TEXT)
     data = text.encode("utf-8")
     if _is_document(text):
         try:
