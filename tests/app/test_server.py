@@ -261,6 +261,9 @@ def test_libretranslate_client_works_unchanged(weights_env: dict[str, str]) -> N
         ours = httpx.post(f"{url}/translate", json={"q": text, **DOC}).json()["translatedText"]
         assert client.translate(text, "de", "en") == ours
         assert {"code": "de", "name": "German", "targets": ["en"]} in client.languages()
+        detected = client.detect("Zwei Hunde spielen im Schnee.")
+        assert detected[0]["language"] == "de" and 50 < detected[0]["confidence"] <= 100
+        assert client.translate(text, "auto", "en") == ours  # the default of several clients
 
 
 def test_shipped_model_translates_correctly(shipped: Path, weights_env: dict[str, str]) -> None:
