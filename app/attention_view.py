@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from app.errors import ApiError
+from app.errors import BAD_REQUEST, ApiError
 from model.translator import AttentionResult
 
 KINDS = ("cross", "encoder", "decoder")
@@ -31,17 +31,17 @@ def select(
     n_layers: int,
     n_heads: int,
 ) -> Selection:
-    """Validate the filters (422 on out-of-range or repeated indices)."""
+    """Validate the filters (400 on out-of-range or repeated indices)."""
     chosen_layers = list(range(n_layers)) if layers is None else list(layers)
     chosen_heads = list(range(n_heads)) if heads is None else list(heads)
     for name, values, limit in (("layers", chosen_layers, n_layers), ("heads", chosen_heads, n_heads)):
         if not values:
-            raise ApiError(422, "validation_error", f"{name}: give at least one index or leave it out")
+            raise ApiError(BAD_REQUEST, "validation_error", f"{name}: give at least one index or leave it out")
         if len(set(values)) != len(values) or any(not 0 <= v < limit for v in values):
-            raise ApiError(422, "validation_error", f"{name}: distinct indices in 0..{limit - 1} expected")
+            raise ApiError(BAD_REQUEST, "validation_error", f"{name}: distinct indices in 0..{limit - 1} expected")
     chosen_kinds = list(KINDS) if kinds is None else list(dict.fromkeys(kinds))
     if not chosen_kinds:
-        raise ApiError(422, "validation_error", "kinds: give at least one of cross, encoder, decoder")
+        raise ApiError(BAD_REQUEST, "validation_error", "kinds: give at least one of cross, encoder, decoder")
     return Selection(chosen_layers, chosen_heads, chosen_kinds, level)
 
 
@@ -66,7 +66,7 @@ def build(result: AttentionResult, sel: Selection, max_cells: int) -> dict[str, 
     cells = sum(len(sel.layers) * len(sel.heads) * len(axes[k][0]) * len(axes[k][1]) for k in sel.kinds)
     if cells > max_cells:
         raise ApiError(
-            422,
+            BAD_REQUEST,
             "payload_too_large",
             f"{cells} attention values requested (limit {max_cells}); "
             "ask for fewer layers, heads or kinds, or a shorter text",

@@ -10,7 +10,8 @@ that matters, so nobody probes validation without a key and no input can reach a
    string valid Unicode and nesting at most ``MAX_JSON_DEPTH`` deep (else 400);
 3. the body's ``api_key`` when no header gave one (403 before validation);
 4. the client's rate limits (429);
-5. validation into the model (422 ``validation_error``), then the client's character limit.
+5. validation into the model (400 ``validation_error``), then the client's character limit
+   (400 ``too_many_characters``).
 
 (No ``from __future__ import annotations`` here: the dependencies made by the factories below
 annotate with their closures' values, which FastAPI reads from the signature at run time.)
@@ -27,7 +28,7 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 from pydantic import BaseModel, ValidationError
 
 from app import timing
-from app.errors import ApiError, describe_validation
+from app.errors import BAD_REQUEST, ApiError, describe_validation
 from app.ratelimit import client_id
 from app.service import TranslationService
 from app.settings import Settings
@@ -102,20 +103,20 @@ async def read_body(request: Request) -> dict[str, Any]:
         try:
             form = parse_qs(raw.decode("utf-8"), keep_blank_values=True, strict_parsing=False)
         except UnicodeDecodeError:
-            raise ApiError(400, "bad_request", "form body is not UTF-8") from None
+            raise ApiError(BAD_REQUEST, "bad_request", "form body is not UTF-8") from None
         data = as_fields(form)
     elif content_type in ("application/json", "") or content_type.endswith("+json"):
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ApiError(400, "invalid_json", f"body is not valid JSON: {err}") from None
+            raise ApiError(BAD_REQUEST, "invalid_json", f"body is not valid JSON: {err}") from None
         except RecursionError:
-            raise ApiError(400, "invalid_json", f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+            raise ApiError(BAD_REQUEST, "invalid_json", f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
     else:
         raise ApiError(415, "unsupported_media_type", f"send application/json or {FORM}")
     check_json(data)
     if not isinstance(data, dict):
-        raise ApiError(422, "validation_error", "the body must be a JSON object")
+        raise ApiError(BAD_REQUEST, "validation_error", "the body must be a JSON object")
     if query:
         check_json(query)
         data = {**query, **data}  # the body wins where both give a parameter
@@ -135,7 +136,7 @@ def check_json(data: Any) -> None:
     while stack:
         value, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
-            raise ApiError(400, "invalid_json", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+            raise ApiError(BAD_REQUEST, "invalid_json", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
         if isinstance(value, str):
             check_unicode(value)
         elif isinstance(value, dict):
@@ -152,7 +153,9 @@ def check_unicode(text: str) -> None:
             text.encode("utf-8")
         except UnicodeEncodeError as err:
             raise ApiError(
-                400, "invalid_unicode", f"a string holds {err.object[err.start]!r}, a lone surrogate: not Unicode text"
+                BAD_REQUEST,
+                "invalid_unicode",
+                f"a string holds {err.object[err.start]!r}, a lone surrogate: not Unicode text",
             ) from None
 
 
@@ -160,15 +163,15 @@ def validated(model: type[M], data: dict[str, Any]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        raise ApiError(422, "validation_error", describe_validation(list(err.errors()))) from None
+        raise ApiError(BAD_REQUEST, "validation_error", describe_validation(list(err.errors()))) from None
 
 
 def check_characters(body: BaseModel, limit: int) -> None:
-    """422 when the request's texts together exceed the client's ``char_limit`` (0: none)."""
+    """400 when the request's texts together exceed the client's ``char_limit`` (0: none)."""
     q = getattr(body, "q", "")
     total = len(q) if isinstance(q, str) else sum(len(text) for text in q)
     if limit and total > limit:
-        raise ApiError(422, "too_many_characters", f"q: {total} characters in this request; at most {limit}")
+        raise ApiError(BAD_REQUEST, "too_many_characters", f"q: {total} characters in this request; at most {limit}")
 
 
 def body(model: type[M]) -> Callable[..., Awaitable[M]]:
@@ -205,7 +208,7 @@ class Directed(Protocol):
 
 def direction_service(body_dependency: Callable[..., Awaitable[Directed]]) -> Callable[..., TranslationService]:
     """The dependency that gives the ``TranslationService`` of the direction the body (read by
-    ``body_dependency``, one made by ``body``) names: 503 while loading, 422 for a pair no
+    ``body_dependency``, one made by ``body``) names: 503 while loading, 400 for a pair no
     model serves."""
 
     def dependency(state: StateDep, payload: Annotated[Directed, Depends(body_dependency)]) -> TranslationService:

@@ -1,5 +1,15 @@
 """Every error leaves the service as JSON ``{"error": ..., "error_type": ..., "request_id": ...}``
-(the request id is also the ``X-Request-ID`` header and in the logs of that request)."""
+(the request id is also the ``X-Request-ID`` header and in the logs of that request).
+
+The statuses are LibreTranslate's, on every route (``/attention`` included), since its clients
+read them: ``BAD_REQUEST`` (400) for every bad request (a missing or invalid parameter, a
+language pair no model serves, a text, character or item limit exceeded, an empty text,
+malformed JSON), 403 for a missing or wrong API key, 429 for the queue and rate limits. The
+``error_type`` says which bad request it was. The exceptions: a text whose *detected* language
+(``source: "auto"``) no model takes is ``UNSUPPORTED_LANGUAGE`` (422, the request was well
+formed); 413 for a body too large or more sentences than the queue holds, 415 for an
+unsupported media type, 503 while not ready or shutting down, 504 for a timeout.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +28,9 @@ from app.ratelimit import RateLimited
 from app.service import SentenceTooLong, TextTooLong, Timeout, TranslationError
 
 log = logging.getLogger(__name__)
+
+BAD_REQUEST = 400  # LibreTranslate's status for every invalid request (module docstring)
+UNSUPPORTED_LANGUAGE = 422  # only a detected source language no model takes
 
 STATUS_TYPES = {
     400: "bad_request",
@@ -73,8 +86,8 @@ REFUSALS: tuple[type[Exception], ...] = (
 def refusal(err: Exception) -> ApiError:
     """The HTTP answer to one of ``REFUSALS``: 429 (retry after the queue's measured drain
     time, or the client's rate limit), 413 (never fits: not retryable), 503 (shutting down, or
-    the file store unreachable),
-    422 (a sentence or text too long for the model), 504 (the request timeout passed)."""
+    the file store unreachable), 400 (a sentence or text too long for the model), 504 (the
+    request timeout passed)."""
     match err:
         case QueueFull():
             retry = {"Retry-After": str(err.retry_after)}
@@ -86,7 +99,7 @@ def refusal(err: Exception) -> ApiError:
         case RateLimited():
             return ApiError(429, "rate_limited", str(err), {"Retry-After": str(err.retry_after)})
         case SentenceTooLong() | TextTooLong():
-            return ApiError(422, "text_too_long", str(err))
+            return ApiError(BAD_REQUEST, "text_too_long", str(err))
         case Timeout():
             return ApiError(504, "timeout", str(err))
         case FileStoreError():
@@ -108,7 +121,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:
-        return error_response(422, "validation_error", describe_validation(list(err.errors())))
+        return error_response(BAD_REQUEST, "validation_error", describe_validation(list(err.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:

@@ -12,7 +12,7 @@ their own error types and messages (``too_many_items``, ``text_too_long``,
 ``unsupported_language_pair``, "beam_size: at most 4 (alternatives + 1 included)", ...).
 What a JSON schema cannot say (a language *pair* no model serves, a text whose tokens exceed
 ``attention_max_tokens``, an attention reply above ``attention_max_cells``) stays in the
-field descriptions and gets a 422.
+field descriptions and gets a 400, as every invalid request does (``app.errors``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from model import checkpoint
 log = logging.getLogger(__name__)
 
 FORM = "application/x-www-form-urlencoded"
-# A text needs one character that is not white space (blank texts get 422 empty_text); Python's
+# A text needs one character that is not white space (blank texts get 400 empty_text); Python's
 # str.isspace() also counts the separators U+001C-U+001F and U+0085, which ECMA's \s does not.
 NON_BLANK = r"[^\s\x1c-\x1f\x85]"
 M = TypeVar("M", bound=BaseModel)

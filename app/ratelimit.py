@@ -10,7 +10,7 @@ exactly one minute, hour or day after it was made), so a client cannot double it
 window boundary.
 
 The per-request character limit (``char_limit``) is not a rate: a request over it can never
-pass, so the edge answers it with 422, not 429.
+pass, so the edge answers it with 400 ``too_many_characters`` (as LibreTranslate), not 429.
 
 If the storage fails (Redis down), requests are let through and the failure is logged and
 counted: an outage of the counters must not become an outage of the translations.

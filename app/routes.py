@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 from app import attention_view, documents, html, timing, uploads
 from app.deps import HeaderKey, StateDep, body, direction_service
 from app.engine import Legs
-from app.errors import ApiError
+from app.errors import BAD_REQUEST, ApiError
 from app.openapi import RequestModels, request_body
 from app.schemas import (
     AttentionRequest,
@@ -58,8 +58,11 @@ from model.decoding import DecodingOptions
 
 STATIC = Path(__file__).parent / "static"
 LANGUAGE_NAMES = {"de": "German", "en": "English", "fr": "French", "cs": "Czech"}
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 403, 413, 422, 429, 503, 504)
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 403, 413, 429, 503, 504)}
+# 422 only where source "auto" can take a text to be in a language no model serves (app.errors)
+AUTO_ERRORS: dict[int | str, dict[str, Any]] = {
+    **ERRORS,
+    422: {"model": ErrorResponse, "description": 'source "auto": the detected language has no model'},
 }
 T = TypeVar("T")
 DETECT_CHARS = 10_000  # of a document's text, for source "auto" (enough to tell; bounded work)
@@ -79,7 +82,7 @@ def build_router(models: RequestModels) -> APIRouter:
     @router.post(
         "/translate",
         response_model_exclude_none=True,
-        responses=ERRORS,
+        responses=AUTO_ERRORS,
         openapi_extra=request_body(models.translate),
     )
     async def translate(payload: TranslateBody, state: StateDep, request: Request) -> TranslateResponse:
@@ -117,7 +120,7 @@ def build_router(models: RequestModels) -> APIRouter:
     @router.post(
         "/translate_file",
         response_model_exclude_none=True,
-        responses={**ERRORS, 415: {"model": ErrorResponse}},
+        responses={**AUTO_ERRORS, 415: {"model": ErrorResponse}},
         openapi_extra=uploads.upload_body(models.translate),
     )
     async def translate_file(request: Request, state: StateDep, key: HeaderKey) -> TranslateFileResponse:
@@ -152,29 +155,35 @@ def add_service_routes(router: APIRouter) -> None:
 
 def check_texts(texts: list[str], settings: Settings) -> None:
     if not texts:
-        raise ApiError(422, "validation_error", "q: give at least one text")
+        raise ApiError(BAD_REQUEST, "validation_error", "q: give at least one text")
     if len(texts) > settings.max_items:
-        raise ApiError(422, "too_many_items", f"q: {len(texts)} texts; at most {settings.max_items} per request")
+        raise ApiError(
+            BAD_REQUEST, "too_many_items", f"q: {len(texts)} texts; at most {settings.max_items} per request"
+        )
     for i, text in enumerate(texts):
         if not text.strip():
-            raise ApiError(422, "empty_text", f"q[{i}]: text is empty")
+            raise ApiError(BAD_REQUEST, "empty_text", f"q[{i}]: text is empty")
         if len(text) > settings.max_text_chars:
-            raise ApiError(422, "text_too_long", f"q[{i}]: {len(text)} characters; at most {settings.max_text_chars}")
+            raise ApiError(
+                BAD_REQUEST, "text_too_long", f"q[{i}]: {len(text)} characters; at most {settings.max_text_chars}"
+            )
 
 
 def limited_options(
     service: TranslationService, settings: Settings, beam_size: int | None, n_best: int, max_length: int | None
 ) -> DecodingOptions:
     """The request's options on top of the model card's (``TranslationService.decoding_options``),
-    within this server's limits (422)."""
+    within this server's limits (400)."""
     if n_best - 1 > settings.max_alternatives:
-        raise ApiError(422, "validation_error", f"alternatives: at most {settings.max_alternatives}")
+        raise ApiError(BAD_REQUEST, "validation_error", f"alternatives: at most {settings.max_alternatives}")
     options = service.decoding_options(beam_size, n_best, max_length)  # a narrower beam widened to n_best
     if options.beam_size > settings.max_beam:
-        raise ApiError(422, "validation_error", f"beam_size: at most {settings.max_beam} (alternatives + 1 included)")
+        raise ApiError(
+            BAD_REQUEST, "validation_error", f"beam_size: at most {settings.max_beam} (alternatives + 1 included)"
+        )
     cap = service.translator.config.max_tokens
     if max_length is not None and max_length > cap:
-        raise ApiError(422, "validation_error", f"max_length: at most {cap}")
+        raise ApiError(BAD_REQUEST, "validation_error", f"max_length: at most {cap}")
     return options
 
 
@@ -256,7 +265,7 @@ async def translate_texts(payload: TranslateRequest, state: AppState, request: R
 
 def request_legs(route: list[TranslationService], payload: TranslateRequest, state: AppState, deadline: float) -> Legs:
     """The models of a route (one, or two via English) with the request's options for each (the
-    alternatives come from the last; none for HTML), within this server's limits (422)."""
+    alternatives come from the last; none for HTML), within this server's limits (400)."""
     settings = state.settings
     n_best = 1 if payload.format == "html" else payload.alternatives + 1
     options = [
@@ -352,7 +361,7 @@ async def translate_document(request: Request, state: AppState, key: str | None)
     upload = await uploads.read_upload(request, settings.max_file_bytes)
     client = await uploads.admit(request, state, key, upload)
     source, target = upload.field("source"), upload.field("target")
-    route = state.route(source, target) if source != "auto" else None  # (503 while loading, 422)
+    route = state.route(source, target) if source != "auto" else None  # (503 while loading, 400)
     state.require_ready()
     timing.parsed()
     try:
@@ -402,7 +411,7 @@ def suggestions_enabled(state: StateDep) -> None:
 
 async def keep_suggestion(payload: SuggestRequest, state: AppState) -> SuggestResponse:
     check_texts([payload.q, payload.s], state.settings)
-    state.service(payload.source, payload.target)  # a direction this server translates (422 otherwise)
+    state.service(payload.source, payload.target)  # a direction this server translates (400 otherwise)
     assert state.suggestions is not None  # (suggestions_enabled)
     await asyncio.to_thread(state.suggestions.add, payload.source, payload.target, payload.q, payload.s)
     return SuggestResponse(success=True)

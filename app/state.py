@@ -11,7 +11,7 @@ from types import FrameType
 import torch
 
 from app.detection import Detection, Detector, NotServed
-from app.errors import ApiError
+from app.errors import BAD_REQUEST, UNSUPPORTED_LANGUAGE, ApiError
 from app.files import file_store
 from app.metrics import Metrics
 from app.ratelimit import RateLimiter
@@ -107,17 +107,19 @@ class AppState:
             service.close(self.settings.drain_timeout_s)
 
     def service(self, source: str, target: str) -> TranslationService:
-        """The service of a language pair: 503 while loading, 422 for an unknown pair."""
+        """The service of a language pair: 503 while loading, 400 for an unknown pair."""
         self.require_ready()
         found = self.services.get((source, target))
         if found is None:
             pairs = ", ".join(f"{s}->{t}" for s, t in sorted(self.services))
-            raise ApiError(422, "unsupported_language_pair", f"no model for {source}->{target}; available: {pairs}")
+            raise ApiError(
+                BAD_REQUEST, "unsupported_language_pair", f"no model for {source}->{target}; available: {pairs}"
+            )
         return found
 
     def route(self, source: str, target: str) -> list[TranslationService]:
         """The models that translate ``source`` to ``target``: the direct one, else two through
-        ``PIVOT`` (de->en->fr); 503 while loading, 422 when neither exists."""
+        ``PIVOT`` (de->en->fr); 503 while loading, 400 when neither exists."""
         self.require_ready()
         direct = self.services.get((source, target))
         if direct is not None:
@@ -125,7 +127,7 @@ class AppState:
         first, second = self.services.get((source, PIVOT)), self.services.get((PIVOT, target))
         if first is not None and second is not None and source != target:
             return [first, second]
-        self.service(source, target)  # raises the 422 naming what is available
+        self.service(source, target)  # raises the 400 naming what is available
         raise AssertionError("unreachable")
 
     def pairs(self) -> list[tuple[str, str]]:
@@ -142,7 +144,7 @@ class AppState:
         try:
             return self.detector.source_of(text)
         except NotServed as err:
-            raise ApiError(422, "unsupported_language", str(err)) from None
+            raise ApiError(UNSUPPORTED_LANGUAGE, "unsupported_language", str(err)) from None
 
     def detect_candidates(self, text: str) -> list[Detection]:
         """The served source languages, most likely first (``/detect``)."""

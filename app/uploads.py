@@ -24,7 +24,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 
 from app.deps import check_api_key
 from app.documents import FORMATS
-from app.errors import ApiError
+from app.errors import BAD_REQUEST, ApiError
 from app.files import StoredFile
 from app.ratelimit import client_id
 from app.schemas import ErrorResponse
@@ -49,7 +49,7 @@ class Upload:
     def field(self, name: str) -> str:
         value = self.fields.get(name, "").strip()
         if not value:
-            raise ApiError(422, "validation_error", f"{name}: Field required")
+            raise ApiError(BAD_REQUEST, "validation_error", f"{name}: Field required")
         return value
 
 
@@ -83,7 +83,7 @@ class _Parts:
     def begin(self) -> None:
         self.count += 1
         if self.count > MAX_PARTS:
-            raise ApiError(400, "invalid_multipart", f"more than {MAX_PARTS} parts in the form")
+            raise ApiError(BAD_REQUEST, "invalid_multipart", f"more than {MAX_PARTS} parts in the form")
         self._data, self._disposition, self._filename = bytearray(), b"", None
 
     def header_field(self, data: bytes, start: int, end: int) -> None:
@@ -100,19 +100,19 @@ class _Parts:
     def headers_finished(self) -> None:
         _, options = parse_options_header(self._disposition)
         if b"name" not in options:
-            raise ApiError(400, "invalid_multipart", "a form part has no name")
+            raise ApiError(BAD_REQUEST, "invalid_multipart", "a form part has no name")
         self._name = options[b"name"].decode("utf-8", "replace")
         given = options.get(b"filename")
         self._filename = given.decode("utf-8", "replace") if given is not None else None
         if self._name == "file" and self.file is not None:
-            raise ApiError(400, "invalid_multipart", "file: one file per request")
+            raise ApiError(BAD_REQUEST, "invalid_multipart", "file: one file per request")
 
     def data(self, data: bytes, start: int, end: int) -> None:
         limit = self.max_file_bytes if self._name == "file" else MAX_FIELD_BYTES
         if len(self._data) + end - start > limit:
             if self._name == "file":
                 raise ApiError(413, "file_too_large", f"file: larger than {limit} bytes")
-            raise ApiError(400, "invalid_multipart", f"{self._name}: longer than {limit} bytes")
+            raise ApiError(BAD_REQUEST, "invalid_multipart", f"{self._name}: longer than {limit} bytes")
         self._data += data[start:end]
 
     def end(self) -> None:
@@ -122,7 +122,7 @@ class _Parts:
         try:
             self.fields[self._name] = self._data.decode("utf-8")
         except UnicodeDecodeError:
-            raise ApiError(400, "invalid_unicode", f"{self._name}: not UTF-8 text") from None
+            raise ApiError(BAD_REQUEST, "invalid_unicode", f"{self._name}: not UTF-8 text") from None
 
 
 async def read_upload(request: Request, max_file_bytes: int) -> Upload:
@@ -139,11 +139,11 @@ async def read_upload(request: Request, max_file_bytes: int) -> Upload:
             parser.write(chunk)
         parser.finalize()
     except (FormParserError, ValueError) as err:
-        raise ApiError(400, "invalid_multipart", f"the form could not be read: {err}") from None
+        raise ApiError(BAD_REQUEST, "invalid_multipart", f"the form could not be read: {err}") from None
     if parts.file is None:
-        raise ApiError(422, "validation_error", "file: Field required")
+        raise ApiError(BAD_REQUEST, "validation_error", "file: Field required")
     if not parts.filename:
-        raise ApiError(400, "unsupported_file_format", "file: no file name (its extension names the format)")
+        raise ApiError(BAD_REQUEST, "unsupported_file_format", "file: no file name (its extension names the format)")
     return Upload(parts.filename, parts.file, {**request.query_params, **parts.fields})  # as LibreTranslate reads
 
 
@@ -164,7 +164,7 @@ def check_characters(texts: Sequence[str], limit: int) -> None:
     """A document's text counts against the client's character limit as /translate's texts do."""
     total = sum(len(text) for text in texts)
     if limit and total > limit:
-        raise ApiError(422, "too_many_characters", f"file: {total} characters of text; at most {limit}")
+        raise ApiError(BAD_REQUEST, "too_many_characters", f"file: {total} characters of text; at most {limit}")
 
 
 _UNSAFE = re.compile(r"[^\w .()+-]+")

@@ -137,7 +137,7 @@
       showStatus("");
     } catch (err) {
       if (err.name === "AbortError" || controller !== state.request) return;
-      if (err.status === 503 && err.type === "unavailable" && retries < LOADING_RETRIES) {
+      if (err.status === 503 && err.type === "not_ready" && retries < LOADING_RETRIES) {
         const wait = Math.min(Math.max(err.retryAfter, 1), 5);
         showStatus(`The model is still loading; retrying in ${wait} s…`);
         setTimeout(() => { if (controller === state.request) translate(retries + 1); }, wait * 1000);

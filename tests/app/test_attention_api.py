@@ -99,14 +99,14 @@ def test_alignment_points_at_real_tokens(client: TestClient) -> None:
         {"beam_size": 99},
     ],
 )
-def test_bad_filters_are_422(client: TestClient, extra: dict[str, Any]) -> None:
-    assert_error(client.post("/attention", json={"q": TEXT, **DOC, **extra}), 422)
+def test_bad_filters_are_400(client: TestClient, extra: dict[str, Any]) -> None:
+    assert_error(client.post("/attention", json={"q": TEXT, **DOC, **extra}), 400)
 
 
 def test_payload_is_capped(client: TestClient) -> None:
     long_text = " ".join(["Ein Mann fährt Fahrrad."] * 12)  # more than 40 tokens
-    assert_error(client.post("/attention", json={"q": long_text, **DOC}), 422, "text_too_long")
+    assert_error(client.post("/attention", json={"q": long_text, **DOC}), 400, "text_too_long")
     medium = " ".join(["Ein Mann fährt Fahrrad."] * 5)  # under 40 tokens, but all maps exceed 20,000 values
-    body = assert_error(client.post("/attention", json={"q": medium, **DOC}), 422, "payload_too_large")
+    body = assert_error(client.post("/attention", json={"q": medium, **DOC}), 400, "payload_too_large")
     assert "fewer" in body["error"]
     assert client.post("/attention", json={"q": medium, **DOC, "kinds": ["cross"], "heads": [0]}).status_code == 200

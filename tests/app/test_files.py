@@ -328,20 +328,20 @@ def test_a_file_over_the_limit_is_413(client: TestClient) -> None:
 def test_the_text_counts_against_the_character_limit_and_the_queue(client: TestClient) -> None:
     long = ("Ein Mann fährt mit dem Fahrrad über die Brücke. " * 70).encode()
     assert len(long.decode()) > CHAR_LIMIT
-    assert_error(upload(client, "lang.txt", long), 422, "too_many_characters")
+    assert_error(upload(client, "lang.txt", long), 400, "too_many_characters")
     many = ("Ein Hund. " * (QUEUE + 1)).encode()
     assert_error(upload(client, "saetze.txt", many), 413, "too_many_sentences")
 
 
 def test_the_form_is_checked(client: TestClient) -> None:
     no_file = client.post("/translate_file", data={"source": "de", "target": "en"}, files={"x": ("a", b"")})
-    assert_error(no_file, 422, "validation_error")
+    assert_error(no_file, 400, "validation_error")
     no_target = client.post("/translate_file", files={"file": ("a.txt", b"Hallo.")}, data={"source": "de"})
-    assert "target" in assert_error(no_target, 422, "validation_error")["error"]
+    assert "target" in assert_error(no_target, 400, "validation_error")["error"]
     assert_error(client.post("/translate_file", json={"source": "de"}), 415, "unsupported_media_type")
     query = client.post("/translate_file?source=de&target=en", files={"file": ("a.txt", GERMAN.encode())})
     assert query.status_code == 200, query.text  # parameters in the query string, as LibreTranslate reads them
-    assert_error(upload(client, "a.txt", b"Hallo.", source="fr"), 422, "unsupported_language_pair")
+    assert_error(upload(client, "a.txt", b"Hallo.", source="fr"), 400, "unsupported_language_pair")
     big_field = client.post("/translate_file", files={"file": ("a.txt", b"Hallo.")}, data={"source": "x" * 5000})
     assert_error(big_field, 400, "invalid_multipart")
 

@@ -1,14 +1,19 @@
 """The rest of LibreTranslate's API: /detect, source "auto" and /frontend/settings, in process
-with the tiny checkpoint (de->en) and the real detector."""
+with the tiny checkpoint (de->en) and the real detector; its status codes also through a real
+server."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
+from urllib.error import HTTPError
 
+import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -20,7 +25,7 @@ from model.data import read_parallel
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from tests.factories import assert_error, start, tiny_config
-from tests.helpers import ROOT
+from tests.helpers import ROOT, running_server
 
 GERMAN = "Ein Mann fährt mit dem Fahrrad über die Brücke."
 
@@ -36,8 +41,8 @@ def test_detect_answers_the_served_languages_best_first(client: TestClient) -> N
     assert 90 < found[0]["confidence"] <= 100
     form = client.post("/detect", data={"q": "Der Hund schläft."})  # LibreTranslate clients send forms
     assert form.status_code == 200 and form.json()[0]["language"] == "de"
-    assert_error(client.post("/detect", json={"q": "  "}), 422, "empty_text")
-    assert_error(client.post("/detect", json={}), 422, "validation_error")
+    assert_error(client.post("/detect", json={"q": "  "}), 400, "empty_text")
+    assert_error(client.post("/detect", json={}), 400, "validation_error")
 
 
 def test_auto_source_detects_each_text(client: TestClient) -> None:
@@ -55,6 +60,37 @@ def test_auto_source_in_a_language_no_model_takes_is_a_clear_422(client: TestCli
     body = {"q": "Hola, ¿cómo estás? Me llamo Juan y vivo en Madrid.", "source": "auto", "target": "en"}
     error = assert_error(client.post("/translate", json=body), 422, "unsupported_language")
     assert "'es'" in error["error"] and "de" in error["error"]
+
+
+def http_error(call: Callable[[], Any]) -> tuple[int, dict[str, Any]]:
+    """The status and JSON body of the HTTPError that a libretranslatepy call raises."""
+    with pytest.raises(HTTPError) as raised:
+        call()
+    return raised.value.code, json.loads(raised.value.read())
+
+
+def test_bad_requests_get_libretranslates_status_codes_on_a_real_server(tiny_weights_dir: Path) -> None:
+    """400 for every bad request and 403 for a wrong key, as LibreTranslate answers (clients
+    branch on them), each with its ``error`` and ``error_type``: through libretranslatepy, and
+    plain form and JSON posts for what that client cannot send."""
+    from libretranslatepy import LibreTranslateAPI
+
+    key = "the-key"
+    env = {"TRANSLATOR_WEIGHTS_DIR": str(tiny_weights_dir), "TRANSLATOR_API_KEYS": key, "TRANSLATOR_MAX_ITEMS": "3"}
+    with running_server(env) as url:
+        keyed, wrong = LibreTranslateAPI(url, api_key=key), LibreTranslateAPI(url, api_key="wrong")
+        assert keyed.translate(GERMAN, "de", "en")
+        status, body = http_error(lambda: keyed.translate(GERMAN, "de", "xx"))  # an unsupported target
+        assert (status, body["error_type"]) == (400, "unsupported_language_pair") and "de->xx" in body["error"]
+        status, body = http_error(lambda: wrong.translate(GERMAN, "de", "en"))
+        assert (status, body["error_type"]) == (403, "forbidden") and body["error"]
+        assert http_error(lambda: LibreTranslateAPI(url).detect(GERMAN))[0] == 403  # no key at all
+        no_q = httpx.post(f"{url}/translate", data={"source": "de", "target": "en", "api_key": key})
+        assert (no_q.status_code, no_q.json()["error_type"]) == (400, "validation_error")
+        assert no_q.json()["error"].startswith("q:")
+        many = {"q": ["Ein Hund."] * 4, "source": "de", "target": "en", "api_key": key}
+        too_many = httpx.post(f"{url}/translate", json=many)
+        assert (too_many.status_code, too_many.json()["error_type"]) == (400, "too_many_items")
 
 
 def test_frontend_settings_in_libretranslate_shape(client: TestClient) -> None:
@@ -83,7 +119,7 @@ def test_suggestions_are_kept_under_concurrent_requests_and_export_as_a_corpus(
             codes = list(pool.map(lambda body, c=client: c.post("/suggest", data=body).status_code, bodies))
         assert codes == [200] * 40
         wrong = {"q": "Ein Hund.", "s": "Un chien.", "source": "de", "target": "fr"}
-        assert_error(client.post("/suggest", json=wrong), 422, "unsupported_language_pair")
+        assert_error(client.post("/suggest", json=wrong), 400, "unsupported_language_pair")
     assert SuggestionStore(data).count() == 40
     out = tmp_path / "corpus"
     cmd = [sys.executable, "-m", "app.cli", "suggestions", "export", "--data-dir", str(data), "--out", str(out)]
@@ -135,5 +171,5 @@ def test_a_pair_without_a_model_is_translated_through_english(pivot_weights: Pat
             "/translate", json={"q": texts[0], "source": "de", "target": "fr", "alternatives": 1}
         ).json()
         assert len(alternatives["alternatives"]) == 1  # n-best from the last leg
-        assert_error(client.post("/translate", json={"q": "Hallo", "source": "fr", "target": "de"}), 422,
+        assert_error(client.post("/translate", json={"q": "Hallo", "source": "fr", "target": "de"}), 400,
                      "unsupported_language_pair")  # fmt: skip

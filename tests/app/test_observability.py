@@ -134,7 +134,7 @@ def test_every_command_logs_json(tmp_path: Path) -> None:
 def test_every_error_body_names_its_request(tiny_weights_dir: Path) -> None:
     for client in start(Settings(weights_dir=tiny_weights_dir, max_body_bytes=2048)):
         cases = [
-            client.post("/translate", json={"q": "", **DOC}, headers={"x-request-id": "e-1"}),  # 422 from the route
+            client.post("/translate", json={"q": "", **DOC}, headers={"x-request-id": "e-1"}),  # 400 from the route
             client.post("/translate", content=b"{", headers={"x-request-id": "e-2"}),  # 400 invalid JSON
             client.post("/translate", content=b"x" * 4096, headers={"x-request-id": "e-3"}),  # 413 in the middleware
             client.get("/nowhere", headers={"x-request-id": "e-4"}),  # 404 from the router

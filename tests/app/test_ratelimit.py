@@ -132,7 +132,7 @@ def test_the_character_limit_is_per_request_and_per_key(tiny_weights_dir: Path) 
     settings = Settings(weights_dir=tiny_weights_dir, char_limit=20, api_key_limits={"big": KeyLimits(char_limit=0)})
     for client in start(settings):
         long = {"q": ["Ein Hund läuft.", "Eine Katze."], **DOC, "beam_size": 1}  # 26 characters together
-        error = assert_error(client.post("/translate", json=long), 422, "too_many_characters")
+        error = assert_error(client.post("/translate", json=long), 400, "too_many_characters")
         assert "26 characters" in error["error"] and "at most 20" in error["error"]
         assert client.post("/translate", json=long, headers={"x-api-key": "big"}).status_code == 200
 

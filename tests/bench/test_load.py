@@ -94,7 +94,7 @@ def test_connection_keeps_alive_and_reads_errors(tiny_weights_dir: Path) -> None
         assert status == 200 and isinstance(json.loads(reply)["translatedText"], str)
         first = connection.writer
         status, reply = await connection.post_json("/translate", {"q": "", "source": "de", "target": "en"})
-        assert status == 422 and "error" in json.loads(reply)
+        assert status == 400 and "error" in json.loads(reply)
         status, _ = await connection.post_json("/translate", {"q": ["a", "b"], "source": "de", "target": "en"})
         assert status == 200
         assert connection.writer is first  # one connection for all three

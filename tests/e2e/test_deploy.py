@@ -50,8 +50,8 @@ def drive_traffic(url: str) -> None:
             assert client.post("/translate", json={"q": text, "source": "de", "target": "en"}).status_code == 200
         body = {"q": TEXTS, "source": "de", "target": "en", "details": True}
         assert client.post("/translate", json=body).status_code == 200
-        assert client.post("/translate", json={"q": "", "source": "de", "target": "en"}).status_code == 422
-        assert client.post("/translate", json={"q": "x", "source": "xx", "target": "en"}).status_code == 422
+        assert client.post("/translate", json={"q": "", "source": "de", "target": "en"}).status_code == 400
+        assert client.post("/translate", json={"q": "x", "source": "xx", "target": "en"}).status_code == 400
         assert client.post("/attention", json={"q": TEXTS[0], "source": "de", "target": "en"}).status_code == 200
         for path in ("/languages", "/info", "/health", "/ready"):
             assert client.get(path).status_code == 200
@@ -147,7 +147,7 @@ def test_prometheus_scrapes_the_translator_target(scraped: str) -> None:
     "promql",
     [
         'translator_requests_total{endpoint="/translate", status="200"}',
-        'translator_requests_total{endpoint="/translate", status="422"}',
+        'translator_requests_total{endpoint="/translate", status="400"}',
         'translator_request_duration_seconds_count{endpoint="/translate"}',
         "translator_queue_wait_seconds_count",
         "translator_batch_sentences_sum",

@@ -199,7 +199,7 @@ def test_api_errors_are_shown(page: Page, server: str) -> None:
     page.wait_for_selector("#app[data-state=error]", timeout=TIMEOUT_MS)
     error = page.locator("#error")
     assert error.is_visible()
-    assert "422" in error.inner_text() and error.get_attribute("data-error-type")
+    assert "400" in error.inner_text() and error.get_attribute("data-error-type")
     screenshot(page, "viewer-error.png")
 
 
