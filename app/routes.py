@@ -150,6 +150,7 @@ def add_service_routes(router: APIRouter) -> None:
     router.add_api_route("/ready", ready, methods=["GET"], responses={503: {"model": ErrorResponse}})
     metrics_types: dict[int | str, dict[str, Any]] = {200: {"content": METRICS_TYPES}}
     router.add_api_route("/metrics", metrics, methods=["GET"], response_class=Response, responses=metrics_types)
+    router.add_api_route("/spec", spec, methods=["GET"], include_in_schema=False)
     router.add_api_route("/", index, methods=["GET"], include_in_schema=False)
 
 
@@ -532,6 +533,11 @@ METRICS_TYPES: dict[str, Any] = {CONTENT_TYPE_LATEST.split(";")[0]: {}, OPENMETR
 async def metrics(state: StateDep) -> PrometheusResponse:
     """Prometheus text format (OpenMetrics on request; gzip when accepted)."""
     return PrometheusResponse(state.metrics.registry)
+
+
+async def spec(request: Request) -> JSONResponse:
+    """The OpenAPI document where LibreTranslate serves its own (``/openapi.json`` has it too)."""
+    return JSONResponse(request.app.openapi())
 
 
 async def index() -> Response:

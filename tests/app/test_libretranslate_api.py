@@ -100,6 +100,12 @@ def test_frontend_settings_in_libretranslate_shape(client: TestClient) -> None:
     assert settings["language"]["target"]["code"] == "en" and settings["filesTranslation"] is True
 
 
+def test_spec_is_the_openapi_document_where_libretranslate_serves_it(client: TestClient) -> None:
+    spec = client.get("/spec")
+    assert spec.status_code == 200 and spec.json() == client.get("/openapi.json").json()
+    assert {"/translate", "/detect", "/languages", "/translate_file"} <= set(spec.json()["paths"])
+
+
 def test_suggest_is_refused_unless_enabled(client: TestClient) -> None:
     body = {"q": "Ein Hund.", "s": "A dog.", "source": "de", "target": "en"}
     assert_error(client.post("/suggest", json=body), 403, "suggestions_disabled")
