@@ -10,9 +10,15 @@ training sentences, beam 1, 2, 4 or 8 in turn, so sentence counts, lengths and b
 all vary) and reads the server's resident memory from its own ``/metrics``
 (``process_resident_memory_bytes``) at ready, every ``--sample-every`` requests and 2 s after
 the last one. Prints one JSON line per sample (``requests``, ``rss_mb``) and a summary:
-``rss_ready_mb``, ``rss_warm_mb`` (after ``--warmup`` requests), ``rss_peak_mb``, ``rss_end_mb``,
-``rss_idle_mb``, ``growth_after_warmup`` (end / warm - 1) and ``peak_over_ready``.
-A flat server keeps ``growth_after_warmup`` within 0.15 and ``peak_over_ready`` within 2.
+``rss_ready_mb``, ``rss_warm_mb`` (2 s after the ``--warmup`` requests), ``rss_peak_mb``,
+``rss_end_mb`` (the last sample), ``rss_idle_mb``, ``growth_after_warmup`` (end / warm - 1),
+``growth_idle`` (idle / warm - 1), ``growth_under_load`` (the last sample taken while requests
+were in flight over the first one) and ``peak_over_ready``. Warm and idle are both taken with the
+model out of work (its batch's memory dropped, the heap trimmed), so ``growth_idle`` is what a
+soak leaves behind; samples under load also hold the running batch and the free heap that the
+malloc tuning keeps while decoding goes on, so ``growth_after_warmup`` compares unlike states
+whenever the last sample falls under load. A flat server keeps ``growth_idle`` and
+``growth_under_load`` within 0.15 and ``peak_over_ready`` within 2.
 ``--env`` passes extra variables to the server (allocator experiments: ``MALLOC_ARENA_MAX=2``,
 ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2``).
 """
@@ -100,16 +106,20 @@ def main(argv: list[str] | None = None) -> None:
         ready = rss_mb(url)
         print(json.dumps({"requests": 0, "rss_mb": ready}), flush=True)
         warm_samples = asyncio.run(soak(url, sentences, args.warmup, args.concurrency, args.warmup))
-        warm = warm_samples[-1]["rss_mb"] if warm_samples else rss_mb(url)
+        time.sleep(2)  # as before ``idle``: the model is out of work and has trimmed its heap
+        warm = rss_mb(url)
         rest = asyncio.run(soak(url, sentences[::-1], args.requests - args.warmup, args.concurrency, args.sample_every))
         end = rest[-1]["rss_mb"] if rest else warm
         time.sleep(2)
         idle = rss_mb(url)
-    peak = max([ready, warm, idle, *(s["rss_mb"] for s in rest)])
+    peak = max([ready, warm, idle, *(s["rss_mb"] for s in warm_samples + rest)])
+    loaded = [s["rss_mb"] for s in rest if s["requests"] < args.requests - args.warmup]  # (the last one: all answered)
     summary = {
         "requests": args.requests, "concurrency": args.concurrency, "cache": args.cache, "env": args.env,
         "rss_ready_mb": ready, "rss_warm_mb": warm, "rss_peak_mb": peak, "rss_end_mb": end, "rss_idle_mb": idle,
-        "growth_after_warmup": round(end / warm - 1, 3), "peak_over_ready": round(peak / ready, 3),
+        "growth_after_warmup": round(end / warm - 1, 3), "growth_idle": round(idle / warm - 1, 3),
+        "growth_under_load": round(loaded[-1] / loaded[0] - 1, 3) if loaded else None,
+        "peak_over_ready": round(peak / ready, 3),
     }  # fmt: skip
     print(json.dumps(summary), flush=True)
 

@@ -49,14 +49,23 @@ def release_free_memory() -> bool:
         return False
 
 
-# oneDNN caches one compiled primitive per (operation, shapes); the decoder's row counts change
-# every step, so a server compiles hundreds and keeps them all. 64 entries bound that memory
-# for a few percent of throughput (docs/benchmarks.md "Numbers behind the code", docs/reliability.md "Memory").
+# torch's CPU kernels keep two caches keyed by matrix shape, and the decoder's row counts change
+# every step, so a server fills both with shapes it may never see again: oneDNN's primitive cache
+# (process-wide, 1,024 primitives by default, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and the
+# primitive-descriptor cache of ideep, torch's oneDNN wrapper (one per thread, 1,024 by default,
+# ``LRU_CACHE_CAPACITY``). An entry of either holds a brgemm matmul descriptor, ~0.27 MiB on
+# AVX2: with the defaults the model thread's descriptors alone kept ~270 MiB resident after a
+# soak. 64 entries each bound that memory; the cost is rebuilding the entries of shapes that come back
+# (docs/benchmarks.md "Numbers behind the code", docs/reliability.md "Memory").
 ONEDNN_PRIMITIVE_CACHE = 64
+IDEEP_DESCRIPTOR_CACHE = 64
 
 
-def bound_onednn_cache(capacity: int = ONEDNN_PRIMITIVE_CACHE) -> int:
-    """Bound oneDNN's primitive cache unless ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` is set already;
-    oneDNN reads it when it builds its first primitive, so call this before any model work.
-    -> the capacity in force."""
+def bound_onednn_cache(capacity: int = ONEDNN_PRIMITIVE_CACHE, descriptors: int = IDEEP_DESCRIPTOR_CACHE) -> int:
+    """Bound oneDNN's primitive cache and ideep's descriptor caches unless
+    ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` / ``LRU_CACHE_CAPACITY`` are set already. oneDNN reads
+    its variable when it builds its first primitive, ideep in each thread the first time that
+    thread runs a linear layer, so call this before any model work. -> the primitive cache's
+    capacity in force."""
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(descriptors))
     return int(os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity)))
