@@ -234,14 +234,43 @@ def aten(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu:
 _onednn_packed = _Packed(lambda w, _: torch.ops.mkldnn._reorder_linear_weight(w))
 
 
+# oneDNN builds (JIT-compiles) a matmul primitive for every row count it sees, ~1-5 ms each on
+# an AVX2 Zen 3, and keeps the last ``ONEDNN_PRIMITIVE_CACHE`` of them (model/allocator.py).
+# The decoder's row count changes whenever a sentence finishes or joins, so without bucketing
+# most changes cost a rebuild of every layer's primitive and a bounded cache thrashes. Rows
+# are padded up to one of ``ROW_BUCKETS_PER_OCTAVE`` sizes per power of two (exact up to
+# ``EXACT_ROWS``): at most 1/4 more arithmetic, usually much less, and few enough shapes that
+# the cache keeps them (docs/benchmarks.md "Numbers behind the code").
+EXACT_ROWS = 8
+ROW_BUCKETS_PER_OCTAVE = 4
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count oneDNN runs for ``rows`` rows: rows itself up to ``EXACT_ROWS``, else
+    rows rounded up to a multiple of 1/``ROW_BUCKETS_PER_OCTAVE`` of the power of two below."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = max(1, (1 << ((rows - 1).bit_length() - 1)) // ROW_BUCKETS_PER_OCTAVE)
+    return -(-rows // step) * step
+
+
 def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
-    """oneDNN matmul on a packed copy of a parameter, ReLU fused as a post-op; ``F.linear``
-    for one row of a small layer (and for mixed dtypes, to raise ``F.linear``'s error)."""
+    """oneDNN matmul on a packed copy of a parameter, ReLU fused as a post-op, rows padded to
+    ``bucket_rows``; ``F.linear`` for one row of a small layer (and for mixed dtypes, to raise
+    ``F.linear``'s error)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if x.dtype != weight.dtype or (rows <= ATEN_MAX_ROWS and weight.shape[0] <= ATEN_MAX_OUT):
         return aten(x, weight, bias, relu)
     w = _onednn_packed.get(weight, None) if isinstance(weight, nn.Parameter) else weight
-    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "relu" if relu else "none", [], "")
+    post = "relu" if relu else "none"
+    padded = bucket_rows(rows)
+    if padded == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, post, [], "")
+    staged = x.new_empty(padded, x.shape[-1])
+    staged[:rows].copy_(x.reshape(rows, x.shape[-1]))
+    staged[rows:].zero_()
+    out = torch.ops.mkldnn._linear_pointwise(staged, w, bias, post, [], "")
+    return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
 def _pack_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> object:

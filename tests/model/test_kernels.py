@@ -97,7 +97,7 @@ def _runnable(precision: str) -> list[str]:
 
 @pytest.mark.parametrize("cpu", _runnable("float32"))
 @pytest.mark.parametrize("precision", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("shape", [(5, 48), (1, 48), (3, 1, 48), (0, 48), (70, 48)])
+@pytest.mark.parametrize("shape", [(5, 48), (1, 48), (3, 1, 48), (0, 48), (70, 48), (9, 48), (3, 7, 48)])
 @pytest.mark.parametrize("relu", [False, True])
 def test_float_kernels_match_f_linear(cpu: str, precision: str, shape: tuple[int, ...], relu: bool) -> None:
     plan = kernels.choose("cpu", precision, SIMULATED[cpu] & HERE)
@@ -111,6 +111,15 @@ def test_float_kernels_match_f_linear(cpu: str, precision: str, shape: tuple[int
     assert out.shape == (*shape[:-1], 70) and out.dtype == plan.dtype
     tol = 1e-5 if precision == "float32" else 2e-2
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+
+
+def test_row_buckets_are_few_and_waste_at_most_a_quarter() -> None:
+    """oneDNN sees few row counts (one primitive each), none more than 1/4 above the real one."""
+    sizes = [kernels.bucket_rows(r) for r in range(1, 5000)]
+    assert all(r <= s <= 1.25 * r for r, s in enumerate(sizes, 1))
+    assert sizes == sorted(sizes) and sizes[:8] == list(range(1, 9))
+    assert all(kernels.bucket_rows(s) == s for s in sizes)  # a bucket is its own bucket
+    assert len(set(sizes[:64])) == 20 and len(set(sizes[:256])) == 28  # greedy / beam 4 of 64 sentences
 
 
 @pytest.mark.parametrize("cpu", _runnable("int8"))
