@@ -1,4 +1,5 @@
-"""Multi-head attention: self-attention (with an optional KV cache) and cross-attention.
+"""Multi-head attention: self-attention and cross-attention, as the network's modules (training,
+teacher-forced passes, attention maps; incremental steps on the KV cache are ``model.step``).
 
 Both return ``(out, weights | None)``. Weights are computed only when asked for; the fast
 path is ``torch.nn.functional.scaled_dot_product_attention``, except for a few queries on
@@ -14,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.cache import LayerCache
 from model.linear import Linear
 from model.masks import causal_mask, fill_blocked
 
@@ -82,19 +82,11 @@ class SelfAttention(nn.Module):
         x: torch.Tensor,
         mask: torch.Tensor | None = None,
         causal: bool = False,
-        cache: LayerCache | None = None,
         need_weights: bool = False,
     ) -> AttentionOutput:
-        """x: (B, T, D) -> (B, T, D).
-
-        With ``cache``, x holds only the new positions; their K/V are appended to the cache
-        and the queries attend to every cached position (all earlier, so no mask needed).
-        """
+        """x: (B, T, D) -> (B, T, D). (Incremental steps on the KV cache: ``model.step``.)"""
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # each (B, T, D)
         q, k, v = (split_heads(t, self.n_heads) for t in (q, k, v))  # (B, H, T, Dh)
-        if cache is not None:
-            k, v = cache.append_self(k, v)  # (B, H, past+T, Dh)
-            causal = causal and q.shape[-2] > 1
         p = self.dropout if self.training else 0.0
         out, weights = attend(q, k, v, mask, causal, p, need_weights)
         return self.out(merge_heads(out)), weights

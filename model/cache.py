@@ -50,31 +50,48 @@ class SelfAttentionCache:
         self._current = 0
         self.heads, self.head_dim, self.capacity = heads, head_dim, capacity
         self.rows, self.slots, self.length = rows, capacity, 0
+        self._lay_out()
 
     def _layout(self, flat: torch.Tensor, rows: int, slots: int) -> torch.Tensor:
         """(rows, H, slots, Dh) view of the front of a flat buffer."""
         return flat[: rows * self.heads * slots * self.head_dim].view(rows, self.heads, slots, self.head_dim)
 
+    def _lay_out(self) -> None:
+        """Views of the current buffers, made once per layout (a step reads them as they are):
+        (R, H, slots, Dh) and the same with rows and heads merged, (R*H, slots, Dh)."""
+        self._k4 = self._layout(self._k[self._current], self.rows, self.slots)
+        self._v4 = self._layout(self._v[self._current], self.rows, self.slots)
+        merged = (self.rows * self.heads, self.slots, self.head_dim)
+        self._k3, self._v3 = self._k4.view(merged), self._v4.view(merged)
+
     @property
     def k(self) -> torch.Tensor:
         """(R, H, length, Dh) cached keys."""
-        return self._layout(self._k[self._current], self.rows, self.slots)[:, :, : self.length]
+        return self._k4[:, :, : self.length]
 
     @property
     def v(self) -> torch.Tensor:
         """(R, H, length, Dh) cached values."""
-        return self._layout(self._v[self._current], self.rows, self.slots)[:, :, : self.length]
+        return self._v4[:, :, : self.length]
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: (R, H, T, Dh) new positions -> all cached K, V (R, H, length+T, Dh)."""
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached keys and values with rows and heads merged, (R*H, length, Dh) each (views)."""
+        return self._k3[:, : self.length], self._v3[:, : self.length]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (R, H, T, Dh) new positions, stored after the cached ones."""
         start, end = self.length, self.length + k.shape[2]
         if end > self.capacity:
             raise ValueError(f"KV cache capacity {self.capacity} exceeded ({end})")
         if end > self.slots:  # a compact layout is full: spread it out to the whole capacity
             self.reorder(torch.arange(self.rows, device=k.device))
-        self._layout(self._k[self._current], self.rows, self.slots)[:, :, start:end] = k
-        self._layout(self._v[self._current], self.rows, self.slots)[:, :, start:end] = v
+        self._k4[:, :, start:end].copy_(k)
+        self._v4[:, :, start:end].copy_(v)
         self.length = end
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: (R, H, T, Dh) new positions -> all cached K, V (R, H, length+T, Dh)."""
+        self.write(k, v)
         return self.k, self.v
 
     def reorder(self, rows: torch.Tensor, room: int | None = None, drop: int = 0, add: int = 0) -> None:
@@ -99,6 +116,7 @@ class SelfAttentionCache:
                 target[kept:].zero_()
         self._current, self.rows, self.slots, self.length = twin, n, slots, new
         self.capacity = max(self.capacity, slots)
+        self._lay_out()
 
 
 class CrossAttentionCache:
@@ -114,17 +132,14 @@ class CrossAttentionCache:
     def __init__(self, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
         self._k, self._v = kv  # (rows, H, columns, Dh) buffers, front in use
         self.sentences, self.source = self._k.shape[0], self._k.shape[2]
+        self._lay_out()
 
-    @property
-    def k(self) -> torch.Tensor:
-        """(B, H, S, Dh) keys of the encoder memory (a view: rows of other strides are fine for
-        the attention's batched matmuls)."""
-        return self._k[: self.sentences, :, : self.source]
-
-    @property
-    def v(self) -> torch.Tensor:
-        """(B, H, S, Dh) values of the encoder memory."""
-        return self._v[: self.sentences, :, : self.source]
+    def _lay_out(self) -> None:
+        """Views of the part in use, made when it changes (a step reads them as they are)."""
+        self.k = self._k[: self.sentences, :, : self.source]  # (B, H, S, Dh) keys of the memory
+        self.v = self._v[: self.sentences, :, : self.source]  # (B, H, S, Dh) values
+        b, h, s, dh = self.k.shape
+        self.flat = (self.k.view(b * h, s, dh), self.v.view(b * h, s, dh))  # (B*H, S, Dh) each, views
 
     def extend(self, kv: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Sentences join: their K/V (B', H, S', Dh) are written behind the current ones."""
@@ -143,6 +158,7 @@ class CrossAttentionCache:
         self._k[self.sentences : rows, :, :s] = new_k
         self._v[self.sentences : rows, :, :s] = new_v
         self.sentences, self.source = rows, columns
+        self._lay_out()
 
     def select(self, sentences: list[int], length: int | None = None) -> None:
         """Sentence i takes the K/V of sentence ``sentences[i]`` (B' of them); only rows that
@@ -158,6 +174,7 @@ class CrossAttentionCache:
         self.sentences = len(sentences)
         if length is not None:
             self.source = length
+        self._lay_out()
 
 
 class LayerCache:

@@ -18,6 +18,7 @@ import torch
 
 from model.beams import Beams, Hypothesis, cat_padded
 from model.cache import KVCache
+from model.step import DecoderStep
 from model.transformer import Transformer
 
 
@@ -217,6 +218,7 @@ class DecodeSession:
 
     def __init__(self, model: Transformer, options: DecodingOptions) -> None:
         self.model, self.options, self.k = model, options, options.beam_size
+        self._decoder: DecoderStep | None = None  # bound at the first step, inside inference mode
         self._reset()
 
     def _reset(self) -> None:
@@ -316,7 +318,9 @@ class DecodeSession:
         are truncated (finished)."""
         rows, alpha = self._rows, self.options.length_penalty
         a, w = len(rows), rows.width
-        logits = self.model.decode_step(rows.tokens.reshape(-1), cache, rows.memory_mask, positions, self_mask).float()
+        if self._decoder is None:
+            self._decoder = DecoderStep(self.model)
+        logits = self._decoder(rows.tokens.reshape(-1), cache, rows.memory_mask, positions, self_mask).float()
         beams = rows.beams
         back, tokens = beams.advance(logits.view(a, w, -1), self.steps - rows.start, alpha, self.model.config.eos_id)
         beams.finished = beams.finished | (rows.stop <= self.steps + 1)[:, None]  # truncated at the limit

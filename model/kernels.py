@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import astuple, dataclass, replace
 from functools import cache
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -261,16 +261,28 @@ def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
     rows = x.numel() // max(x.shape[-1], 1)
     if x.dtype != weight.dtype or (rows <= ATEN_MAX_ROWS and weight.shape[0] <= ATEN_MAX_OUT):
         return aten(x, weight, bias, relu)
-    w = _onednn_packed.get(weight, None) if isinstance(weight, nn.Parameter) else weight
+    w = _onednn_weight(weight)
+    out = _onednn_rows(x.reshape(rows, x.shape[-1]), w, bias, relu, rows)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _onednn_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A parameter's packed copy (made once per version of its values); other tensors as they are."""
+    return cast(torch.Tensor, _onednn_packed.get(weight, None)) if isinstance(weight, nn.Parameter) else weight
+
+
+def _onednn_rows(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, relu: bool, rows: int
+) -> torch.Tensor:
+    """x: (rows, in) -> (rows, out) through the packed weight, rows padded to ``bucket_rows``."""
     post = "relu" if relu else "none"
     padded = bucket_rows(rows)
     if padded == rows:
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, post, [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, post, [], "")
     staged = x.new_empty(padded, x.shape[-1])
-    staged[:rows].copy_(x.reshape(rows, x.shape[-1]))
+    staged[:rows].copy_(x)
     staged[rows:].zero_()
-    out = torch.ops.mkldnn._linear_pointwise(staged, w, bias, post, [], "")
-    return out[:rows].view(*x.shape[:-1], out.shape[-1])
+    return torch.ops.mkldnn._linear_pointwise(staged, packed, bias, post, [], "")[:rows]
 
 
 def _pack_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> object:
@@ -299,16 +311,26 @@ def quantized_engine(name: str) -> Iterator[None]:
         torch.backends.quantized.engine = before
 
 
-def int8(reduce_range: bool) -> LinearKernel:
+@dataclass(frozen=True)
+class Int8Kernel:
     """fbgemm's dynamic int8 linear: the input is quantized per call (one scale per tensor)."""
 
-    def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
-        packed = _int8_packed.get(weight, bias)
-        op = torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic
-        out: torch.Tensor = op(x.float().contiguous(), packed, reduce_range)
-        return out.to(x.dtype)
+    reduce_range: bool
 
-    return run
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False
+    ) -> torch.Tensor:
+        return _run_int8(x, _int8_packed.get(weight, bias), self.reduce_range, relu)
+
+
+def _run_int8(x: torch.Tensor, packed: object, reduce_range: bool, relu: bool) -> torch.Tensor:
+    op = torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic
+    out: torch.Tensor = op(x.float().contiguous(), packed, reduce_range)
+    return out.to(x.dtype)
+
+
+def int8(reduce_range: bool) -> LinearKernel:
+    return Int8Kernel(reduce_range)
 
 
 def kernel_for(plan: KernelPlan) -> LinearKernel:
@@ -330,6 +352,41 @@ def install(model: nn.Module, plan: KernelPlan) -> nn.Module:
         log.warning("%s", plan.warning)
     log.info("linear kernels: %s", plan.describe())
     return model
+
+
+# (x (R, in), relu) -> (R, out): one layer's weights bound to its kernel (see ``bind``)
+BoundLinear = Callable[[torch.Tensor, bool], torch.Tensor]
+
+
+def bind(kernel: LinearKernel, weight: torch.Tensor, bias: torch.Tensor | None) -> BoundLinear:
+    """``kernel`` with one layer's weights looked up (and packed) once, for a caller that runs
+    the layer many times on 2-d inputs at inference (``model.step``: a decoder step runs 19
+    linears, and at a few rows the per-call lookups cost as much as the arithmetic). Only for
+    weights that stay unchanged while the bound function is used."""
+    kernel = _float_kernel(weight.dtype) if kernel is auto else kernel
+    if isinstance(kernel, Int8Kernel):
+        int8_packed, reduce_range = _int8_packed.get(weight, bias), kernel.reduce_range
+
+        def run_int8(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+            return _run_int8(x, int8_packed, reduce_range, relu)
+
+        return run_int8
+    if kernel is onednn:
+        packed = _onednn_weight(weight)
+        few = weight.shape[0] <= ATEN_MAX_OUT  # few output columns: F.linear at one row
+
+        def run(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+            rows = x.shape[0]
+            if (few and rows <= ATEN_MAX_ROWS) or x.dtype != weight.dtype:
+                return aten(x, weight, bias, relu)
+            return _onednn_rows(x, packed, bias, relu, rows)
+
+        return run
+
+    def run_kernel(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        return kernel(x, weight, bias, relu)
+
+    return run_kernel
 
 
 @cache

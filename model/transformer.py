@@ -22,6 +22,7 @@ from model.config import ModelConfig
 from model.kernels import LinearKernel
 from model.linear import Linear, linear
 from model.masks import padding_mask
+from model.step import DecoderStep
 
 
 @dataclass(frozen=True)
@@ -153,19 +154,15 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         memory_kv: tuple[torch.Tensor, torch.Tensor],
         memory_mask: torch.Tensor,
-        cache: LayerCache | None = None,
         need_weights: bool = False,
-        self_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """x: (B, T, D) -> (B, T, D), self weights (B,H,T,T) | None, cross (B,H,T,S) | None.
-
-        self_mask: (B, 1, 1, keys) for cached steps whose rows may not see every cached key.
-        """
+        """Teacher-forced: x (B, T, D) -> (B, T, D), self weights (B,H,T,T) | None, cross
+        (B,H,T,S) | None. (Incremental steps on the KV cache: ``model.step``.)"""
         self_w = cross_w = None
 
         def self_attn(h: torch.Tensor) -> torch.Tensor:
             nonlocal self_w
-            out, self_w = self.self_attn(h, self_mask, causal=True, cache=cache, need_weights=need_weights)
+            out, self_w = self.self_attn(h, None, causal=True, need_weights=need_weights)
             return out
 
         def cross_attn(h: torch.Tensor) -> torch.Tensor:
@@ -268,11 +265,11 @@ class Transformer(nn.Module):
         By default every row is at position ``cache.length`` and sees every cached key. Rows
         that joined a running batch later pass their own ``positions`` (R,) and a ``self_mask``
         (R, 1, 1, cache.length + 1) that hides the keys from before they joined.
+
+        Runs ``model.step.DecoderStep``, which binds the weights per call here; a decoding
+        session binds them once and keeps its ``DecoderStep``.
         """
-        x = self.tgt_embed(tokens[:, None], offset=cache.length, positions=positions)  # (R, 1, D)
-        for layer, layer_cache in zip(self.decoder_layers, cache.layers, strict=True):
-            x, _, _ = layer(x, layer_cache.cross_kv, memory_mask, cache=layer_cache, self_mask=self_mask)
-        return self.logits(x[:, 0])
+        return DecoderStep(self)(tokens, cache, memory_mask, positions, self_mask)
 
     def decode(
         self,

@@ -9,6 +9,7 @@ from bench import naive
 from model.beams import TOP_K_BLOCK, top_k
 from model.data import pad
 from model.decoding import DecodeSession, DecodingOptions, decode, decode_stream
+from model.step import DecoderStep
 from tests.factories import V, make_model
 
 # A vocabulary large enough for decoding's blocked top-k on the CPU (V = 60 uses torch.topk).
@@ -34,20 +35,55 @@ def test_top_k_matches_torch_topk(columns: int, k: int) -> None:
     assert torch.equal(columns_[[i for i in range(33) if i != 3]], expected.indices[[i for i in range(33) if i != 3]])
 
 
+@pytest.mark.parametrize("inference", [True, False], ids=["bound-kernels", "module-linears"])
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
-def test_cached_steps_match_full_recomputation(norm_first: bool, positions: str) -> None:
+def test_cached_steps_match_full_recomputation(norm_first: bool, positions: str, inference: bool) -> None:
+    """The incremental step (``model.step``, on the KV cache, padded sources) = the modules'
+    teacher-forced pass, with the weights bound to the CPU's kernels (inference mode, what
+    decoding runs) and through the modules' linears (grad enabled)."""
     model = make_model(norm_first=norm_first, positions=positions)
     src = pad(sources(4), 0)
+    assert (src == 0).any()  # the source mask blocks something
     tgt = torch.randint(4, V, (4, 9))
     tgt[:, 0] = 2
-    full = model(src, tgt)  # (B, T, V), teacher-forced, no cache
-    memory, mask, _ = model.encode(src)
-    cache = model.init_cache(memory, capacity=tgt.shape[1])
-    for t in range(tgt.shape[1]):
-        step = model.decode_step(tgt[:, t], cache, mask)
-        torch.testing.assert_close(step, full[:, t], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        full = model(src, tgt)  # (B, T, V), teacher-forced, no cache
+    with torch.inference_mode(inference):
+        memory, mask, _ = model.encode(src)
+        cache = model.init_cache(memory, capacity=tgt.shape[1])
+        step = DecoderStep(model)
+        for t in range(tgt.shape[1]):
+            torch.testing.assert_close(step(tgt[:, t], cache, mask), full[:, t], atol=1e-5, rtol=1e-5)
     assert cache.length == tgt.shape[1]
+
+
+def test_a_step_with_beams_and_late_rows_matches_each_row_alone() -> None:
+    """Rows sharing a sentence's memory (width 3) and rows masked to the keys after they
+    joined, at their own positions: each row's logits are those of its history decoded alone."""
+    model = make_model(seed=7)
+    src = pad(sources(2, seed=3), 0)
+    history = torch.randint(4, V, (6, 4))
+    history[:, 0] = 2
+    with torch.inference_mode():
+        memory, mask, _ = model.encode(src)
+        width = 3
+        full = model.decode(history, memory.repeat_interleave(width, 0), mask.repeat_interleave(width, 0))[0]
+        cache = model.init_cache(memory, capacity=8)
+        cache.reorder(torch.arange(2).repeat_interleave(width), width=width)
+        step = DecoderStep(model)
+        for t in range(4):
+            logits = step(history[:, t], cache, mask)
+            torch.testing.assert_close(logits, full[:, t], atol=1e-5, rtol=1e-5)
+        # rows 3-5 (the second sentence) start over at position 0, hiding the 4 keys before
+        late = torch.tensor([3, 4, 5])
+        positions = torch.tensor([4, 4, 4, 0, 0, 0])
+        keys_seen = torch.ones(6, 1, 1, 5, dtype=torch.bool)
+        keys_seen[late, :, :, :4] = False
+        tokens = torch.cat([torch.randint(4, V, (3,)), history[late, 0]])
+        logits = step(tokens, cache, mask, positions, keys_seen)
+        alone = model.decode(history[late, :1], memory[1:].repeat(width, 1, 1), mask[1:].repeat(width, 1, 1, 1))[0]
+        torch.testing.assert_close(logits[late], alone[:, 0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("vocab", [V, BIG_V])

@@ -113,6 +113,30 @@ def test_float_kernels_match_f_linear(cpu: str, precision: str, shape: tuple[int
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("out_features", [70, kernels.ATEN_MAX_OUT + 1])
+def test_a_bound_kernel_gives_what_the_kernel_gives(precision: str, out_features: int) -> None:
+    """``kernels.bind`` (weights looked up once, for the decoder step) = the layer's kernel, at
+    every row count the step sees (one row takes F.linear below ATEN_MAX_OUT, padded buckets
+    above EXACT_ROWS), with and without ReLU; and the unplanned ``auto`` binds too."""
+    try:
+        plan = kernels.choose("cpu", precision)
+    except UnsupportedPrecision:
+        pytest.skip(f"{precision} does not run on this CPU")
+    torch.manual_seed(0)
+    dtype = plan.dtype if precision != "int8" else torch.float32
+    layer = kernels.install(Linear(48, out_features).to(dtype), plan)
+    with torch.inference_mode():
+        bound = kernels.bind(layer.kernel, layer.weight, layer.bias)
+        unplanned = kernels.bind(kernels.auto, layer.weight, layer.bias)
+        for rows in (1, 4, 9, 70):
+            x = torch.randn(rows, 48, dtype=dtype)
+            for relu in (False, True):
+                assert torch.equal(bound(x, relu), layer.kernel(x, layer.weight, layer.bias, relu))
+                if precision != "int8":
+                    assert torch.equal(unplanned(x, relu), kernels.auto(x, layer.weight, layer.bias, relu))
+
+
 def test_row_buckets_are_few_and_waste_at_most_a_quarter() -> None:
     """oneDNN sees few row counts (one primitive each), none more than 1/4 above the real one."""
     sizes = [kernels.bucket_rows(r) for r in range(1, 5000)]

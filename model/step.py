@@ -1,0 +1,194 @@
+"""The incremental decoder step at inference: the network's decoder math on its KV cache,
+written for few operations per step.
+
+At the batch sizes of interactive use (one sentence: 1 row greedy, 4 rows beam 4) a step's
+arithmetic is small, and what it costs is the number of operations and Python calls around
+them (docs/benchmarks.md "The small-batch step"). ``DecoderStep`` binds every layer's weights
+to its kernel once (``kernels.bind``) and runs a step as plain tensor calls, no module calls:
+
+- attention as ``bmm`` over (rows x heads) batches, the 1/sqrt(Dh) scale folded into the copy
+  that lays the queries out for it, and a source mask as an additive bias made once per batch
+  composition (``baddbmm``): no per-step mask inversion or fill;
+- the query, key and value of self-attention from one fused projection, keys and values
+  written straight into the cache;
+- heads merged by a view (``bmm``'s output is already (rows, heads x Dh)).
+
+The math is the network's: ``Transformer.decode`` (teacher-forced, modules) is the reference
+the tests hold it to, post-LN and pre-LN, sinusoidal and learned positions. Inference only:
+no dropout, and weights must not change while a ``DecoderStep`` is used (build a new one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.cache import KVCache
+from model.kernels import BoundLinear, LinearKernel, bind
+from model.linear import Linear, linear
+
+if TYPE_CHECKING:  # model.transformer imports this module
+    from model.transformer import DecoderLayer, Transformer
+
+
+def _bound(module: Linear) -> BoundLinear:
+    return bind(module.kernel, module.weight, module.bias)
+
+
+def _through(kernel: LinearKernel, weight: torch.Tensor, bias: torch.Tensor | None) -> BoundLinear:
+    """The modules' own path (``model.linear.linear``: autograd and autocast aware)."""
+
+    def run(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        return linear(x, weight, bias, kernel, relu)
+
+    return run
+
+
+def _through_linear(module: Linear) -> BoundLinear:
+    return _through(module.kernel, module.weight, module.bias)
+
+
+@dataclass(frozen=True)
+class _Norm:
+    weight: torch.Tensor
+    bias: torch.Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, norm: nn.LayerNorm) -> _Norm:
+        return cls(norm.weight, norm.bias, norm.eps)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's weights, bound: self-attention (fused QKV, output), cross-attention
+    (query, output; its K/V come projected in the cache), feed-forward, and the three norms."""
+
+    qkv: BoundLinear
+    self_out: BoundLinear
+    cross_q: BoundLinear
+    cross_out: BoundLinear
+    fc1: BoundLinear
+    fc2: BoundLinear
+    self_norm: _Norm
+    cross_norm: _Norm
+    ff_norm: _Norm
+
+    @classmethod
+    def of(cls, layer: DecoderLayer, fast: bool) -> _Layer:
+        b = _bound if fast else _through_linear
+        sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
+        return cls(
+            b(sa.qkv), b(sa.out), b(ca.q), b(ca.out), b(ff.fc1), b(ff.fc2),
+            _Norm.of(layer.self_block.norm), _Norm.of(layer.cross_block.norm), _Norm.of(layer.ff_block.norm),
+        )  # fmt: skip
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """q (N, Tq, Dh) already scaled, k and v (N, Tk, Dh), bias (N, 1, Tk) | None -> (N, Tq, Dh)."""
+    scores = torch.bmm(q, k.transpose(1, 2)) if bias is None else torch.baddbmm(bias, q, k.transpose(1, 2))
+    return torch.bmm(torch.softmax(scores, dim=-1), v)
+
+
+def additive_mask(mask: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """mask (B, 1, 1, K) bool (True: may attend) -> bias (B*H, 1, K), 0 where allowed and the
+    dtype's minimum where blocked (a weight of exactly 0 after softmax, like ``fill_blocked``);
+    None when nothing is blocked."""
+    if bool(mask.all()):
+        return None
+    b, k = mask.shape[0], mask.shape[-1]
+    bias = torch.zeros(b, 1, 1, k, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    return bias.expand(b, heads, 1, k).reshape(b * heads, 1, k)
+
+
+class DecoderStep:
+    """A model's incremental decoder step, weights bound once (see the module's docstring)."""
+
+    def __init__(self, model: Transformer) -> None:
+        cfg = model.config
+        self.model = model
+        self.heads, self.head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.norm_first = cfg.norm_first
+        # The bound kernels skip autograd and autocast; anything else takes the modules' path.
+        device = model.output_matrix().device
+        fast = device.type == "cpu" and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+        self.layers = [_Layer.of(layer, fast) for layer in model.decoder_layers]
+        out = model.output_matrix()
+        self.output = bind(model.kernel, out, None) if fast else _through(model.kernel, out, None)
+        self.final_norm = None if model.decoder_norm is None else _Norm.of(model.decoder_norm)
+        embed = model.tgt_embed
+        self.tokens, self.embed_scale = embed.tokens.weight, embed.scale
+        positions = embed.learned.weight if embed.learned is not None else embed.table
+        assert positions is not None
+        self.positions: torch.Tensor = positions
+        self.max_positions = embed.max_positions
+        self._memory: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (mask, its bias)
+
+    def _memory_bias(self, memory_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """The cross-attention bias (B*H, 1, S) of a memory mask, made again only when the
+        mask is another tensor (a session replaces it when sentences join or leave)."""
+        if self._memory is None or self._memory[0] is not memory_mask:
+            self._memory = (memory_mask, additive_mask(memory_mask, self.heads, dtype))
+        return self._memory[1]
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        memory_mask: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        self_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One step; the contract of ``Transformer.decode_step``. tokens: (R,), R = B * W;
+        memory_mask (B, 1, 1, S); positions (R,) and self_mask (R, 1, 1, cache.length + 1)
+        for rows that joined late -> logits (R, V)."""
+        h, dh, scale = self.heads, self.head_dim, self.scale
+        r, length = tokens.shape[0], cache.length
+        b = cache.sentences
+        w = r // b
+        if positions is None:
+            if length >= self.max_positions:
+                raise ValueError(f"sequence of {length + 1} positions exceeds max_positions {self.max_positions}")
+            where = self.positions[length]  # (D,)
+        else:
+            where = self.positions[positions]  # (R, D)
+        x = torch.add(where.to(self.tokens.dtype), F.embedding(tokens, self.tokens), alpha=self.embed_scale)  # (R, D)
+        d = x.shape[1]
+        cross_bias = self._memory_bias(memory_mask, x.dtype)
+        self_bias = None if self_mask is None else additive_mask(self_mask, h, x.dtype)
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            # self-attention: one projection, K/V appended to the cache, (R*H) batched matmuls
+            hx = layer.self_norm(x) if self.norm_first else x
+            qkv = layer.qkv(hx, False)  # (R, 3D)
+            q = torch.mul(qkv[:, :d], scale).view(r * h, 1, dh)
+            cached = layer_cache.self_attention
+            cached.write(qkv[:, d : 2 * d].view(r, h, 1, dh), qkv[:, 2 * d :].view(r, h, 1, dh))
+            k, v = cached.flat()  # (R*H, L+1, Dh)
+            out = _attend(q, k, v, self_bias).view(r, d)  # (R*H, 1, Dh) is (R, D)
+            x = self._residual(x, layer.self_out(out, False), layer.self_norm)
+            # cross-attention: a sentence's W hypotheses query its memory together
+            hx = layer.cross_norm(x) if self.norm_first else x
+            q = torch.mul(layer.cross_q(hx, False), scale)  # (R, D)
+            q = q.view(b * h, 1, dh) if w == 1 else q.view(b, w, h, dh).transpose(1, 2).reshape(b * h, w, dh)
+            out = _attend(q, *layer_cache.cross_attention.flat, cross_bias)  # (B*H, W, Dh)
+            out = out.view(r, d) if w == 1 else out.view(b, h, w, dh).transpose(1, 2).reshape(r, d)
+            x = self._residual(x, layer.cross_out(out, False), layer.cross_norm)
+            # feed-forward
+            hx = layer.ff_norm(x) if self.norm_first else x
+            x = self._residual(x, layer.fc2(layer.fc1(hx, True), False), layer.ff_norm)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.output(x, False)
+
+    def _residual(self, x: torch.Tensor, y: torch.Tensor, norm: _Norm) -> torch.Tensor:
+        """Post-LN: norm(x + y); pre-LN (y computed from norm(x)): x + y."""
+        return x + y if self.norm_first else norm(x + y)
