@@ -1,6 +1,6 @@
 """Per-call time of each linear kernel of ``model.kernels`` at the shipped model's shapes.
 
-    python -m bench.kernels [--threads 2] [--rows 1,4,16,64,256] [--calls 200]
+    python -m bench.kernels [--threads 2] [--rows 1,4,16,64,256] [--calls 200] [--step]
 
 One JSON line per (layer shape, rows): microseconds per call of ``aten`` (``F.linear``),
 ``onednn`` (packed weights; its one-row fallback off, to show what it replaces) and
@@ -8,6 +8,12 @@ One JSON line per (layer shape, rows): microseconds per call of ``aten`` (``F.li
 decoder's: fused QKV (768 x 256), attention output (256 x 256), feed-forward (1024 x 256,
 256 x 1024) and the tied output projection (8000 x 256). ``isa`` names the kernel path the
 CPU features (and the ISA caps in the environment) select.
+
+``--step`` times what a decoder step does instead: the 19 matrices of the shipped model's step
+(3 layers x QKV, self-attention output, cross-attention query and output, two feed-forward;
+then the output projection), each used once in turn, so their weights stream from memory as in
+decoding rather than staying hot in cache. One JSON line per row count: milliseconds per step
+of each kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from torch import nn
 from model import kernels
 
 SHAPES = ((768, 256), (256, 256), (1024, 256), (256, 1024), (8000, 256))
+LAYER = ((768, 256), (256, 256), (256, 256), (256, 256), (1024, 256), (256, 1024))  # one decoder layer, in order
+STEP = (*LAYER, *LAYER, *LAYER, (8000, 256))
 
 
 def per_call_us(fn: Callable[[], object], calls: int) -> float:
@@ -47,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", default="1,4,16,64,256")
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--step", action="store_true", help="a decoder step's 19 matrices in turn, per step")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     runnable: dict[str, kernels.LinearKernel] = {"aten": kernels.aten}
@@ -56,6 +65,9 @@ def main(argv: list[str] | None = None) -> None:
         runnable["fbgemm-int8"] = kernels.kernel_for(kernels.choose("cpu", "int8"))
     torch.manual_seed(0)
     with torch.no_grad():  # (parameters made in inference mode would have no version counter)
+        if args.step:
+            step_rows(runnable, [int(r) for r in args.rows.split(",")], args.calls)
+            return
         for out_features, in_features in SHAPES:
             weight = nn.Parameter(torch.randn(out_features, in_features), requires_grad=False)
             bias = torch.randn(out_features)
@@ -66,6 +78,24 @@ def main(argv: list[str] | None = None) -> None:
                     call = partial(kernel, x, weight, bias, False)
                     row[f"{name}_us"] = per_call_us(call, args.calls)
                 print(json.dumps(row), flush=True)
+
+
+def step_rows(runnable: dict[str, kernels.LinearKernel], row_counts: list[int], steps: int) -> None:
+    """Per row count, ms per decoder step of each kernel over ``STEP``'s matrices in turn."""
+    layers = [
+        (nn.Parameter(torch.randn(o, i), requires_grad=False), torch.randn(o) if o != 8000 else None) for o, i in STEP
+    ]
+    for rows in row_counts:
+        inputs = {i: torch.randn(rows, i) for _, i in STEP}
+        row: dict[str, object] = {"matrices": len(STEP), "rows": rows, "isa": kernels.detected().isa}
+        for name, kernel in runnable.items():
+
+            def step(kernel: kernels.LinearKernel = kernel, inputs: dict[int, torch.Tensor] = inputs) -> None:
+                for weight, bias in layers:
+                    kernel(inputs[weight.shape[1]], weight, bias, False)
+
+            row[f"{name}_ms"] = round(per_call_us(step, steps) / 1000, 3)
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

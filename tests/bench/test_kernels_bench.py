@@ -26,3 +26,15 @@ def test_one_line_per_shape_and_row_count_with_each_runnable_kernel() -> None:
     for row in rows:
         assert {k for k in row if k.endswith("_us")} == expected and all(row[k] > 0 for k in expected)
         assert row["isa"] == kernels.detected().isa
+
+
+def test_step_mode_times_a_decoder_steps_matrices_per_kernel() -> None:
+    cmd = [sys.executable, "-m", "bench.kernels", "--step", "--rows", "1,4", "--calls", "2", "--threads", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(r["matrices"], r["rows"]) for r in rows] == [(19, 1), (19, 4)]
+    expected = {"aten_ms"} | ({"onednn_ms"} if kernels.choose("cpu", "float32").kernel == "onednn" else set())
+    expected |= {"fbgemm-int8_ms"} if kernels.detected().avx2 else set()
+    for row in rows:
+        assert {k for k in row if k.endswith("_ms")} == expected and all(row[k] > 0 for k in expected)
