@@ -325,8 +325,9 @@ class Int8Kernel:
 
 def _run_int8(x: torch.Tensor, packed: object, reduce_range: bool, relu: bool) -> torch.Tensor:
     op = torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic
-    out: torch.Tensor = op(x.float().contiguous(), packed, reduce_range)
-    return out.to(x.dtype)
+    ready = x.dtype == torch.float32 and x.is_contiguous()  # (no conversion calls: each is a dispatch)
+    out: torch.Tensor = op(x if ready else x.float().contiguous(), packed, reduce_range)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def int8(reduce_range: bool) -> LinearKernel:
