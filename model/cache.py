@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 SPARE_SLOTS = 16  # positions a grown self-attention buffer has beyond what the reorder needs
+FIRST_SLOTS = 16  # positions laid out at first; a full layout is spread to twice its slots
 
 
 class SelfAttentionCache:
@@ -33,23 +34,27 @@ class SelfAttentionCache:
     Invariant: every one of the R rows (a hypothesis) holds the same ``length`` positions,
     ``length <= slots <= capacity``, and the rows are laid out as (R, H, slots, Dh) at the
     front of the current one of two flat twin buffers, which grow when a reorder needs more.
-    ``slots`` is the capacity at first; ``reorder(rows, room=1)``, which beam search calls
-    every step, lays the copy out with ``slots = length + 1``, so after the next append the
-    cached K/V are one contiguous block: the attention matmuls over strided K/V ran markedly
-    slower on the CPU (docs/benchmarks.md "Numbers behind the code").
+    ``capacity`` is the most positions a row may hold (the longest length limit of the rows'
+    sentences); ``slots`` what is laid out: ``FIRST_SLOTS`` at first, doubled (up to the
+    capacity) when an append finds the layout full, so memory follows the lengths decoded, not
+    the limits. ``reorder(rows, room=1)``, which beam search calls every step, lays the copy out
+    with ``slots = length + 1``, so after the next append the cached K/V are one contiguous
+    block: the attention matmuls over strided K/V ran markedly slower on the CPU
+    (docs/benchmarks.md "Numbers behind the code").
     """
 
     def __init__(self, like: torch.Tensor, rows: int, heads: int, head_dim: int, capacity: int) -> None:
-        """Room for ``capacity`` positions of ``rows`` rows, in ``like``'s dtype and device."""
+        """Room for up to ``capacity`` positions of ``rows`` rows, in ``like``'s dtype and device."""
         # Room for the first rows only: the twins are allocated by the first reorder, at the
         # size it needs (beam search compacts to length + 1 every step), so memory follows
         # what the batch holds, not B * width * capacity for every layer up front.
-        size = rows * heads * capacity * head_dim
+        slots = min(capacity, FIRST_SLOTS)
+        size = rows * heads * slots * head_dim
         self._k = [like.new_empty(size), like.new_empty(0)]
         self._v = [like.new_empty(size), like.new_empty(0)]
         self._current = 0
         self.heads, self.head_dim, self.capacity = heads, head_dim, capacity
-        self.rows, self.slots, self.length = rows, capacity, 0
+        self.rows, self.slots, self.length = rows, slots, 0
         self._lay_out()
 
     def _layout(self, flat: torch.Tensor, rows: int, slots: int) -> torch.Tensor:
@@ -83,8 +88,8 @@ class SelfAttentionCache:
         start, end = self.length, self.length + k.shape[2]
         if end > self.capacity:
             raise ValueError(f"KV cache capacity {self.capacity} exceeded ({end})")
-        if end > self.slots:  # a compact layout is full: spread it out to the whole capacity
-            self.reorder(torch.arange(self.rows, device=k.device))
+        if end > self.slots:  # the layout is full: spread it out to twice its slots
+            self.reorder(torch.arange(self.rows, device=k.device), min(self.capacity, max(end, 2 * self.slots)) - start)
         self._k4[:, :, start:end].copy_(k)
         self._v4[:, :, start:end].copy_(v)
         self.length = end
@@ -94,15 +99,20 @@ class SelfAttentionCache:
         self.write(k, v)
         return self.k, self.v
 
-    def reorder(self, rows: torch.Tensor, room: int | None = None, drop: int = 0, add: int = 0) -> None:
+    def reorder(
+        self, rows: torch.Tensor, room: int | None = None, drop: int = 0, add: int = 0, capacity: int | None = None
+    ) -> None:
         """Row i takes the history of row ``rows[i]``; rows: (R',) long (rows may be dropped,
         or repeated to widen a beam). Then ``add`` rows follow with an all-zero history
         (sentences joining; their attention masks it out), and the first ``drop`` positions are
         forgotten. The copy has room for ``room`` more positions before the next reorder (None:
-        up to the capacity); the buffers grow if that does not fit."""
+        up to the capacity); the buffers grow if that does not fit. ``capacity``: the most
+        positions a row may hold from now on (counted after the drop; None: as before)."""
         assert 0 <= drop <= self.length, (drop, self.length)
         kept, new, twin = rows.numel(), self.length - drop, 1 - self._current
         n = kept + add
+        if capacity is not None:
+            self.capacity = capacity
         slots = max(self.capacity, new) if room is None else new + room
         needed = n * self.heads * slots * self.head_dim
         for buffers in (self._k, self._v):
@@ -224,14 +234,23 @@ class KVCache:
         """Source positions of the cross-attention K/V (>= every sentence's source length)."""
         return self.layers[0].cross_attention.source
 
-    def reorder(self, rows: torch.Tensor, room: int | None = None, drop: int = 0, add: int = 0, *, width: int) -> None:
-        """Self-attention rows: beam back-pointers, dropped and added rows, forgotten positions
-        (see ``SelfAttentionCache.reorder``), after which each of the cross-attention
-        sentences has ``width`` consecutive rows (sentences that joined since the last reorder
-        included: they are the ``add`` rows)."""
+    def reorder(
+        self,
+        rows: torch.Tensor,
+        room: int | None = None,
+        drop: int = 0,
+        add: int = 0,
+        capacity: int | None = None,
+        *,
+        width: int,
+    ) -> None:
+        """Self-attention rows: beam back-pointers, dropped and added rows, forgotten positions,
+        the most positions a row may hold (see ``SelfAttentionCache.reorder``), after which each
+        of the cross-attention sentences has ``width`` consecutive rows (sentences that joined
+        since the last reorder included: they are the ``add`` rows)."""
         assert rows.numel() + add == self.sentences * width, (rows.numel(), add, self.sentences, width)
         for layer in self.layers:
-            layer.self_attention.reorder(rows, room, drop, add)
+            layer.self_attention.reorder(rows, room, drop, add, capacity)
 
     def extend_memory(self, cross_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Sentences join: one (K, V) pair per layer, each (B', H, S', Dh). Their self-attention

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.cache import CrossAttentionCache, KVCache, LayerCache, SelfAttentionCache
+from model.cache import FIRST_SLOTS, CrossAttentionCache, KVCache, LayerCache, SelfAttentionCache
 
 H, DH = 2, 3
 
@@ -44,6 +44,28 @@ def test_reorder_and_append_keep_every_row_history(room: int | None) -> None:
     assert cache.length == 8
     with pytest.raises(ValueError, match="capacity 8 exceeded"):
         cache.append(step(2), step(2))
+
+
+def test_the_layout_grows_with_the_length_decoded_not_the_limit() -> None:
+    """A cache for up to 200 positions lays out 16 at first and doubles when full (history
+    intact), never past the capacity: memory follows what is decoded (greedy search)."""
+    torch.manual_seed(4)
+    cache = SelfAttentionCache(torch.empty(0), rows=3, heads=H, head_dim=DH, capacity=40)
+    assert cache.slots == FIRST_SLOTS and cache.capacity == 40
+    ref_k = torch.zeros(3, H, 0, DH)
+    slots = []
+    for _ in range(40):
+        k = step(3)
+        got_k, _ = cache.append(k, step(3))
+        ref_k = torch.cat([ref_k, k], dim=2)
+        assert torch.equal(got_k, ref_k)
+        slots.append(cache.slots)
+    assert sorted(set(slots)) == [16, 32, 40]
+    with pytest.raises(ValueError, match="capacity 40 exceeded"):
+        cache.append(step(3), step(3))
+    cache.reorder(torch.arange(3), room=1, capacity=45)  # a longer-lived sentence joined
+    cache.append(step(3), step(3))
+    assert cache.length == 41
 
 
 def test_reorder_adds_zeroed_rows_and_forgets_old_positions() -> None:
