@@ -88,11 +88,16 @@ class SelfAttentionCache:
         start, end = self.length, self.length + k.shape[2]
         if end > self.capacity:
             raise ValueError(f"KV cache capacity {self.capacity} exceeded ({end})")
-        if end > self.slots:  # the layout is full: spread it out to twice its slots
-            self.reorder(torch.arange(self.rows, device=k.device), min(self.capacity, max(end, 2 * self.slots)) - start)
+        if end > self.slots:  # the layout is full: spread it out (``reorder``'s growth)
+            self.reorder(torch.arange(self.rows, device=k.device), self._grown(start, end) - start)
         self._k4[:, :, start:end].copy_(k)
         self._v4[:, :, start:end].copy_(v)
         self.length = end
+
+    def _grown(self, held: int, needed: int) -> int:
+        """Slots of a grown layout: twice the positions held, at least ``FIRST_SLOTS`` (and
+        ``needed``), at most the capacity."""
+        return max(needed, min(self.capacity, max(2 * held, FIRST_SLOTS)))
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: (R, H, T, Dh) new positions -> all cached K, V (R, H, length+T, Dh)."""
@@ -100,20 +105,26 @@ class SelfAttentionCache:
         return self.k, self.v
 
     def reorder(
-        self, rows: torch.Tensor, room: int | None = None, drop: int = 0, add: int = 0, capacity: int | None = None
+        self,
+        rows: torch.Tensor,
+        room: int | None = None,
+        drop: int = 0,
+        add: int = 0,
+        capacity: int | None = None,
     ) -> None:
         """Row i takes the history of row ``rows[i]``; rows: (R',) long (rows may be dropped,
         or repeated to widen a beam). Then ``add`` rows follow with an all-zero history
         (sentences joining; their attention masks it out), and the first ``drop`` positions are
         forgotten. The copy has room for ``room`` more positions before the next reorder (None:
-        up to the capacity); the buffers grow if that does not fit. ``capacity``: the most
-        positions a row may hold from now on (counted after the drop; None: as before)."""
+        grown, twice the positions kept, at least ``FIRST_SLOTS`` and one more, at most the
+        capacity); the buffers grow if that does not fit. ``capacity``: the most positions a
+        row may hold from now on (counted after the drop; None: as before)."""
         assert 0 <= drop <= self.length, (drop, self.length)
         kept, new, twin = rows.numel(), self.length - drop, 1 - self._current
         n = kept + add
         if capacity is not None:
             self.capacity = capacity
-        slots = max(self.capacity, new) if room is None else new + room
+        slots = new + room if room is not None else self._grown(new, new + 1)
         needed = n * self.heads * slots * self.head_dim
         for buffers in (self._k, self._v):
             if buffers[twin].numel() < needed:  # with SPARE_SLOTS more, so beam search (one more slot

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from model.beams import Beams, Hypothesis, cat_padded
-from model.cache import FIRST_SLOTS, KVCache
+from model.cache import KVCache
 from model.step import DecoderStep
 from model.transformer import Transformer
 
@@ -298,9 +298,8 @@ class DecodeSession:
                 gather = torch.arange(cache.batch_size, device=rows.start.device)
             origin += drop
             capacity = max(rows.stop_host) - origin  # the positions the longest-lived row needs
-            # beams reorder every step (one more slot); greedy rows grow by doubling (``write``)
-            room = 1 if self.k > 1 else min(capacity, max(cache.length - drop, FIRST_SLOTS)) - (cache.length - drop)
-            cache.reorder(gather, max(room, 1), drop, rows.added, capacity, width=rows.width)
+            room = 1 if self.k > 1 else None  # beams reorder every step (one more slot); greedy rows grow
+            cache.reorder(gather, room, drop, rows.added, capacity, width=rows.width)
             rows.gather, rows.added = None, 0
         return origin
 

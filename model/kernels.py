@@ -259,11 +259,16 @@ def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
     ``bucket_rows``; ``F.linear`` for one row of a small layer (and for mixed dtypes, to raise
     ``F.linear``'s error)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if x.dtype != weight.dtype or (rows <= ATEN_MAX_ROWS and weight.shape[0] <= ATEN_MAX_OUT):
+    if _aten_instead(x, weight, rows):
         return aten(x, weight, bias, relu)
     w = _onednn_weight(weight)
     out = _onednn_rows(x.reshape(rows, x.shape[-1]), w, bias, relu, rows)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _aten_instead(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
+    """Where ``onednn`` hands a call to ``F.linear``: one row of a small layer, or mixed dtypes."""
+    return x.dtype != weight.dtype or (rows <= ATEN_MAX_ROWS and weight.shape[0] <= ATEN_MAX_OUT)
 
 
 def _onednn_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -374,11 +379,10 @@ def bind(kernel: LinearKernel, weight: torch.Tensor, bias: torch.Tensor | None) 
         return run_int8
     if kernel is onednn:
         packed = _onednn_weight(weight)
-        few = weight.shape[0] <= ATEN_MAX_OUT  # few output columns: F.linear at one row
 
         def run(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
             rows = x.shape[0]
-            if (few and rows <= ATEN_MAX_ROWS) or x.dtype != weight.dtype:
+            if _aten_instead(x, weight, rows):
                 return aten(x, weight, bias, relu)
             return _onednn_rows(x, packed, bias, relu, rows)
 

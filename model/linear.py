@@ -18,6 +18,12 @@ from model import kernels
 from model.kernels import LinearKernel
 
 
+def uses_kernels(device: torch.device) -> bool:
+    """Whether linear layers on ``device`` run through their kernel now: on the CPU, at
+    inference (no gradients), outside autocast; the rest is ``F.linear``'s."""
+    return device.type == "cpu" and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -27,7 +33,7 @@ def linear(
 ) -> torch.Tensor:
     """x: (..., in), weight: (out, in), bias: (out,) | None -> (..., out), like ``F.linear``
     (followed by ReLU when ``relu``: the packed kernels fuse it)."""
-    if x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu"):
+    if uses_kernels(x.device):
         return kernel(x, weight, bias, relu)
     out = F.linear(x, weight, bias)
     return F.relu(out) if relu else out

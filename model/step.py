@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +29,8 @@ from torch import nn
 
 from model.cache import KVCache
 from model.kernels import BoundLinear, LinearKernel, bind
-from model.linear import Linear, linear
-
-if TYPE_CHECKING:  # model.transformer imports this module
-    from model.transformer import DecoderLayer, Transformer
+from model.linear import Linear, linear, uses_kernels
+from model.transformer import DecoderLayer, Transformer
 
 
 def _bound(module: Linear) -> BoundLinear:
@@ -119,8 +116,7 @@ class DecoderStep:
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.norm_first = cfg.norm_first
         # The bound kernels skip autograd and autocast; anything else takes the modules' path.
-        device = model.output_matrix().device
-        fast = device.type == "cpu" and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+        fast = uses_kernels(model.output_matrix().device)
         self.layers = [_Layer.of(layer, fast) for layer in model.decoder_layers]
         out = model.output_matrix()
         self.output = bind(model.kernel, out, None) if fast else _through(model.kernel, out, None)
@@ -148,9 +144,12 @@ class DecoderStep:
         positions: torch.Tensor | None = None,
         self_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One step; the contract of ``Transformer.decode_step``. tokens: (R,), R = B * W;
-        memory_mask (B, 1, 1, S); positions (R,) and self_mask (R, 1, 1, cache.length + 1)
-        for rows that joined late -> logits (R, V)."""
+        """One incremental step. tokens: (R,) the last emitted ids, R = B * W (W hypotheses
+        per sentence); memory_mask (B, 1, 1, S) -> logits (R, V).
+
+        By default every row is at position ``cache.length`` and sees every cached key. Rows
+        that joined a running batch later pass their own ``positions`` (R,) and a ``self_mask``
+        (R, 1, 1, cache.length + 1) that hides the keys from before they joined."""
         h, dh, scale = self.heads, self.head_dim, self.scale
         r, length = tokens.shape[0], cache.length
         b = cache.sentences

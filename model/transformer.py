@@ -22,7 +22,6 @@ from model.config import ModelConfig
 from model.kernels import LinearKernel
 from model.linear import Linear, linear
 from model.masks import padding_mask
-from model.step import DecoderStep
 
 
 @dataclass(frozen=True)
@@ -250,26 +249,6 @@ class Transformer(nn.Module):
         """Project the memory (B, S, D) to every layer's cross K/V once; room for capacity steps
         of B rows (beam search widens it to B * width rows, which share their sentence's cross K/V)."""
         return KVCache([LayerCache(kv, capacity) for kv in self.project_memory(memory)])
-
-    def decode_step(
-        self,
-        tokens: torch.Tensor,
-        cache: KVCache,
-        memory_mask: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        self_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One incremental step. tokens: (R,) the last emitted ids, R = B * width; memory_mask
-        (B, 1, 1, S) -> logits (R, V).
-
-        By default every row is at position ``cache.length`` and sees every cached key. Rows
-        that joined a running batch later pass their own ``positions`` (R,) and a ``self_mask``
-        (R, 1, 1, cache.length + 1) that hides the keys from before they joined.
-
-        Runs ``model.step.DecoderStep``, which binds the weights per call here; a decoding
-        session binds them once and keeps its ``DecoderStep``.
-        """
-        return DecoderStep(self)(tokens, cache, memory_mask, positions, self_mask)
 
     def decode(
         self,
