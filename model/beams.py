@@ -35,7 +35,7 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     (ties between equal values may break differently from ``torch.topk``). Other devices,
     rows too short for it to pay off, and fewer than ``TOP_K_BLOCK_ROWS`` rows (its dozen
     operations cost more than ``topk`` itself there: 142 against 33 us at one row of 8,000,
-    156 against 94 at four, 502 against 807 at 64, Zen 3) use ``torch.topk``.
+    156 against 94 at four, 502 against 807 at 64, AMD EPYC Naples) use ``torch.topk``.
     """
     r, v = x.shape
     blocks, tail = divmod(v, TOP_K_BLOCK)
