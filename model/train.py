@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from model import checkpoint
+from model import checkpoint, kernels
 from model.data import Batch, Parallel, TokenizedCorpus, clean, read_parallel, split_file
 from model.decoding import DecodingOptions
 from model.evaluate import measure_checkpoint, score_translations
@@ -96,6 +96,10 @@ class Trainer:
         self.train_data = self._corpus(self.train_text)
         self.valid_data = self._corpus(self.valid_text)
         self.model = Transformer(cfg.model).to(device)
+        slow = kernels.bf16_autocast(device) if cfg.optim.bf16 else None
+        if slow:
+            log.warning("bf16 = true in the config, but %s: training in float32", slow)
+        self.bf16 = cfg.optim.bf16 and slow is None
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
@@ -122,7 +126,7 @@ class Trainer:
         )
 
     def _autocast(self) -> torch.autocast:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.optim.bf16)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def _loss(self, batch: Batch) -> torch.Tensor:
         src, tgt_in, tgt_out = (t.to(self.device, non_blocking=True) for t in (batch.src, batch.tgt_in, batch.tgt_out))

@@ -46,7 +46,7 @@ class OptimConfig:
     weight_decay: float = 0.0
     clip_norm: float = 1.0
     label_smoothing: float = 0.1
-    bf16: bool = True  # bf16 autocast (GPU; also CPUs with native bf16)
+    bf16: bool = True  # bf16 autocast where the device runs it natively (else float32, logged)
     patience: int = 8  # epochs without a better validation BLEU before stopping
     average: Literal["last", "best"] = "last"
     average_count: int = 5

@@ -59,6 +59,14 @@ def test_plan_follows_the_capability_table(cpu: str, precision: str, kernel: str
     assert (plan.warning is not None) == warns
 
 
+def test_bf16_training_runs_only_where_the_cpu_has_native_bf16() -> None:
+    assert kernels.bf16_autocast("cpu", AVX512_BF16) is None
+    assert kernels.bf16_autocast("cpu", CpuFeatures(avx2=True, fma=True, avx_ne_convert=True)) is None
+    for cpu in ("avx512-no-bf16", "avx2", "baseline"):
+        reason = kernels.bf16_autocast("cpu", SIMULATED[cpu])
+        assert reason is not None and "emulated" in reason
+
+
 def test_int8_reduces_activation_range_without_vnni() -> None:
     """fbgemm on AVX2 accumulates u8 x s8 pairs in 16 bits: 7-bit activations cannot saturate."""
     engines = ("fbgemm",)

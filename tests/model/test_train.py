@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import checkpoint
-from model.train import train
+from model import checkpoint, kernels
+from model.train import Trainer, train
 from model.train_config import load_train_config
 from model.train_state import average_files
 
@@ -69,9 +69,12 @@ def test_training_lowers_loss_and_writes_a_checkpoint(tmp_path: Path, data_dir: 
 
 
 def test_bf16_autocast_training_and_validation_run_on_cpu(tmp_path: Path, data_dir: Path) -> None:
-    """The shipped recipe trains with bf16 autocast; validation runs under it without gradients."""
+    """The shipped recipe asks for bf16 autocast: it runs where the CPU has native bf16 (else
+    float32, logged), and validation runs under it without gradients."""
     cfg = load_train_config(tiny_config(tmp_path, data_dir, epochs=1, bf16=True))
     assert cfg.optim.bf16
+    trainer = Trainer(cfg, tmp_path / "probe", torch.device("cpu"))
+    assert trainer.bf16 == (kernels.bf16_autocast("cpu") is None)
     train(cfg, tmp_path / "run", max_steps_per_epoch=4)
     (epoch,) = epochs_of(tmp_path / "run")
     assert epoch["step"] == 4 and math.isfinite(epoch["valid_loss"]) and math.isfinite(epoch["train_loss"])
