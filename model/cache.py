@@ -4,9 +4,11 @@
 x beam width), one more position every step, and beam search's back-pointers reorder the rows
 every step. They live in preallocated buffers. ``reorder(rows)`` follows the back-pointers,
 drops finished rows, forgets positions no row can see any more and makes room for sentences
-that join, all in one copy: each buffer has a twin, and the valid part is gathered straight
-into the twin (``index_select(..., out=)``), several times faster than gathering into a
-temporary and copying it back (docs/benchmarks.md "Numbers behind the code").
+that join, all in one copy: the valid part is gathered straight into a spare buffer
+(``index_select(..., out=)``, several times faster than gathering into a temporary and copying
+it back: docs/benchmarks.md "Numbers behind the code"), and the buffer it came from becomes the
+spare. The buffers of every layer's keys and values are the same size and are reordered one
+after the other, so one ``Spare`` serves them all: 2L + 1 buffers for L layers, not a twin each.
 
 ``CrossAttentionCache`` holds the projections of the encoder memory: computed once per
 sentence when it joins and stored once per *sentence*: the ``width`` consecutive rows of a
@@ -28,12 +30,34 @@ SPARE_SLOTS = 16  # positions a grown self-attention buffer has beyond what the 
 FIRST_SLOTS = 16  # positions laid out at first; a full layout is spread to twice its slots
 
 
+class Spare:
+    """The one spare flat buffer that the self-attention buffers of a cache reorder into in
+    turn: each gather takes it and hands back the buffer it gathered from."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, like: torch.Tensor, needed: int, extra: int) -> torch.Tensor:
+        """A flat buffer of at least ``needed`` elements (the spare, or a new one of ``needed +
+        extra`` when the spare is smaller), in ``like``'s dtype and device."""
+        buffer, self._buffer = self._buffer, None
+        if buffer is None or buffer.numel() < needed:
+            buffer = like.new_empty(needed + extra)
+        return buffer
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """``buffer`` is free: keep the larger of it and the current spare."""
+        if self._buffer is None or buffer.numel() > self._buffer.numel():
+            self._buffer = buffer
+
+
 class SelfAttentionCache:
     """One decoder layer's self-attention keys/values: k, v (R, H, length, Dh).
 
     Invariant: every one of the R rows (a hypothesis) holds the same ``length`` positions,
     ``length <= slots <= capacity``, and the rows are laid out as (R, H, slots, Dh) at the
-    front of the current one of two flat twin buffers, which grow when a reorder needs more.
+    front of a flat buffer each for K and V; a reorder gathers them into the ``spare`` (shared
+    with the other layers of a ``KVCache``), which grows when the reorder needs more.
     ``capacity`` is the most positions a row may hold (the longest length limit of the rows'
     sentences); ``slots`` what is laid out: ``FIRST_SLOTS`` at first, doubled (up to the
     capacity) when an append finds the layout full, so memory follows the lengths decoded, not
@@ -43,16 +67,18 @@ class SelfAttentionCache:
     (docs/benchmarks.md "Numbers behind the code").
     """
 
-    def __init__(self, like: torch.Tensor, rows: int, heads: int, head_dim: int, capacity: int) -> None:
-        """Room for up to ``capacity`` positions of ``rows`` rows, in ``like``'s dtype and device."""
-        # Room for the first rows only: the twins are allocated by the first reorder, at the
-        # size it needs (beam search compacts to length + 1 every step), so memory follows
-        # what the batch holds, not B * width * capacity for every layer up front.
+    def __init__(
+        self, like: torch.Tensor, rows: int, heads: int, head_dim: int, capacity: int, spare: Spare | None = None
+    ) -> None:
+        """Room for up to ``capacity`` positions of ``rows`` rows, in ``like``'s dtype and device;
+        ``spare``: the buffer reorders gather into (shared by a ``KVCache``'s layers; None: its own)."""
+        # Room for the first rows only: a reorder takes the spare at the size it needs (beam
+        # search compacts to length + 1 every step), so memory follows what the batch holds,
+        # not B * width * capacity for every layer up front.
         slots = min(capacity, FIRST_SLOTS)
         size = rows * heads * slots * head_dim
-        self._k = [like.new_empty(size), like.new_empty(0)]
-        self._v = [like.new_empty(size), like.new_empty(0)]
-        self._current = 0
+        self._k, self._v = like.new_empty(size), like.new_empty(size)  # flat
+        self._spare = spare if spare is not None else Spare()
         self.heads, self.head_dim, self.capacity = heads, head_dim, capacity
         self.rows, self.slots, self.length = rows, slots, 0
         self._lay_out()
@@ -64,8 +90,8 @@ class SelfAttentionCache:
     def _lay_out(self) -> None:
         """Views of the current buffers, made once per layout (a step reads them as they are):
         (R, H, slots, Dh) and the same with rows and heads merged, (R*H, slots, Dh)."""
-        self._k4 = self._layout(self._k[self._current], self.rows, self.slots)
-        self._v4 = self._layout(self._v[self._current], self.rows, self.slots)
+        self._k4 = self._layout(self._k, self.rows, self.slots)
+        self._v4 = self._layout(self._v, self.rows, self.slots)
         merged = (self.rows * self.heads, self.slots, self.head_dim)
         self._k3, self._v3 = self._k4.view(merged), self._v4.view(merged)
 
@@ -120,22 +146,25 @@ class SelfAttentionCache:
         capacity); the buffers grow if that does not fit. ``capacity``: the most positions a
         row may hold from now on (counted after the drop; None: as before)."""
         assert 0 <= drop <= self.length, (drop, self.length)
-        kept, new, twin = rows.numel(), self.length - drop, 1 - self._current
+        kept, new = rows.numel(), self.length - drop
         n = kept + add
         if capacity is not None:
             self.capacity = capacity
         slots = new + room if room is not None else self._grown(new, new + 1)
         needed = n * self.heads * slots * self.head_dim
-        for buffers in (self._k, self._v):
-            if buffers[twin].numel() < needed:  # with SPARE_SLOTS more, so beam search (one more slot
-                spare = n * self.heads * SPARE_SLOTS * self.head_dim  # per step) reallocates rarely
-                buffers[twin] = buffers[twin].new_empty(needed + spare)
-            source = self._layout(buffers[self._current], self.rows, self.slots)[:, :, drop : self.length]
-            target = self._layout(buffers[twin], n, slots)[:, :, :new]
+        extra = n * self.heads * SPARE_SLOTS * self.head_dim  # so beam search (one more slot per
+        gathered = []  # step) reallocates rarely
+        for buffer in (self._k, self._v):
+            into = self._spare.take(buffer, needed, extra)
+            source = self._layout(buffer, self.rows, self.slots)[:, :, drop : self.length]
+            target = self._layout(into, n, slots)[:, :, :new]
             torch.index_select(source, 0, rows, out=target[:kept])
             if add:
                 target[kept:].zero_()
-        self._current, self.rows, self.slots, self.length = twin, n, slots, new
+            self._spare.give(buffer)
+            gathered.append(into)
+        self._k, self._v = gathered
+        self.rows, self.slots, self.length = n, slots, new
         self.capacity = max(self.capacity, slots)
         self._lay_out()
 
@@ -202,12 +231,13 @@ class LayerCache:
     """One decoder layer's cache: its self-attention half (R = B * width rows, see
     ``SelfAttentionCache``) and its cross-attention half (B sentences, ``CrossAttentionCache``)."""
 
-    def __init__(self, cross_kv: tuple[torch.Tensor, torch.Tensor], capacity: int) -> None:
+    def __init__(self, cross_kv: tuple[torch.Tensor, torch.Tensor], capacity: int, spare: Spare | None = None) -> None:
         """cross_kv: (B, H, S, Dh) each; room for ``capacity`` positions of B rows (one per
-        sentence); a reorder may widen it to B * width rows (beam search after its first step)."""
+        sentence); a reorder may widen it to B * width rows (beam search after its first step).
+        ``spare``: the reorder buffer shared with the cache's other layers (None: its own)."""
         b, h, _, dh = cross_kv[0].shape
         self.cross_attention = CrossAttentionCache(cross_kv)
-        self.self_attention = SelfAttentionCache(cross_kv[0], b, h, dh, capacity)
+        self.self_attention = SelfAttentionCache(cross_kv[0], b, h, dh, capacity, spare)
 
     @property
     def cross_kv(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from torch import nn
 
 from model import kernels
 from model.attention import CrossAttention, SelfAttention
-from model.cache import KVCache, LayerCache
+from model.cache import KVCache, LayerCache, Spare
 from model.config import ModelConfig
 from model.kernels import LinearKernel
 from model.linear import Linear, linear
@@ -248,7 +248,8 @@ class Transformer(nn.Module):
     def init_cache(self, memory: torch.Tensor, capacity: int) -> KVCache:
         """Project the memory (B, S, D) to every layer's cross K/V once; room for capacity steps
         of B rows (beam search widens it to B * width rows, which share their sentence's cross K/V)."""
-        return KVCache([LayerCache(kv, capacity) for kv in self.project_memory(memory)])
+        spare = Spare()  # one reorder buffer for every layer's self-attention K and V
+        return KVCache([LayerCache(kv, capacity, spare) for kv in self.project_memory(memory)])
 
     def decode(
         self,

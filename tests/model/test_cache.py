@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.cache import FIRST_SLOTS, CrossAttentionCache, KVCache, LayerCache, SelfAttentionCache
+from model.cache import FIRST_SLOTS, CrossAttentionCache, KVCache, LayerCache, SelfAttentionCache, Spare
 
 H, DH = 2, 3
 
@@ -126,3 +126,30 @@ def test_kv_cache_ties_self_rows_to_cross_sentences() -> None:
     cache.select_memory([0, 2], length=7)  # sentence 1 leaves
     cache.reorder(torch.tensor([0, 1, 2, 6, 7, 8]), room=1, width=3)
     assert (cache.sentences, cache.batch_size) == (2, 6)
+
+
+def test_layers_reorder_through_one_spare_buffer() -> None:
+    """A cache's L layers hold 2L self-attention buffers and share one spare (2L + 1 in all,
+    not a twin each), and every layer keeps its own history through the shared spare."""
+    torch.manual_seed(4)
+    memory = torch.randn(2, H, 5, DH)
+    spare = Spare()
+    layers = [LayerCache((memory.clone(), memory.clone()), capacity=30, spare=spare) for _ in range(3)]
+    cache = KVCache(layers)
+    history = [[] for _ in layers]  # each layer's (R, H, t, DH) keys, row order followed by hand
+    rows = torch.tensor([0, 0, 1, 1])  # beams of 2 after the first step
+    for t in range(20):
+        for layer, seen in zip(layers, history, strict=True):
+            k = step(cache.batch_size)
+            layer.append_self(k, -k)
+            seen.append(k)
+        for i, seen in enumerate(history):
+            assert torch.equal(layers[i].self_attention.k, torch.cat(seen, 2))
+            assert torch.equal(layers[i].self_attention.v, -torch.cat(seen, 2))
+        cache.reorder(rows, room=1, width=2)
+        for seen in history:
+            seen[:] = [x[rows] for x in seen]
+        rows = torch.tensor([1, 0, 3, 2]) if t % 2 else torch.tensor([0, 0, 2, 3])
+        buffers = {b.data_ptr() for layer in layers for b in (layer.self_attention._k, layer.self_attention._v)}
+        assert len(buffers) == 2 * len(layers) and spare._buffer is not None
+        assert spare._buffer.data_ptr() not in buffers
