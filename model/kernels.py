@@ -352,6 +352,48 @@ def _run_int8(x: torch.Tensor, packed: object, reduce_range: bool, relu: bool) -
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
+@dataclass(frozen=True, eq=False)
+class PackedInt8:
+    """One layer's kernel once its float weight is released (``release_float_weights``): its
+    fbgemm-packed int8 weight and bias, run as ``Int8Kernel`` runs them; the ``weight`` and
+    ``bias`` it is called with are placeholders and are not read."""
+
+    packed: object
+    reduce_range: bool
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False
+    ) -> torch.Tensor:
+        return _run_int8(x, self.packed, self.reduce_range, relu)
+
+
+def release_float_weights(model: nn.Module) -> int:
+    """For int8 inference: every layer whose kernel is ``Int8Kernel`` gets its weight packed now
+    into a ``PackedInt8`` kernel, and its float weight and bias are replaced by placeholders on
+    the meta device (same shapes, no memory), so the model holds one copy of those weights (the
+    int8 one) instead of two. A weight another module shares (the output projection tied to the
+    embeddings, which the embedding lookup reads) is kept. The model is then for inference only:
+    ``model.linear.linear`` refuses to run a released layer on any other path.
+    -> bytes released."""
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    released = 0
+    for module in model.modules():
+        kernel, weight = getattr(module, "kernel", None), getattr(module, "weight", None)
+        if not isinstance(kernel, Int8Kernel) or not isinstance(weight, nn.Parameter) or uses[id(weight)] > 1:
+            continue
+        bias = getattr(module, "bias", None)
+        packed = _pack_int8(weight.detach(), None if bias is None else bias.detach())
+        setattr(module, "kernel", PackedInt8(packed, kernel.reduce_range))  # noqa: B010 (see install)
+        for name in ("weight", "bias"):
+            tensor = getattr(module, name)
+            if tensor is not None:
+                released += tensor.numel() * tensor.element_size()
+                setattr(module, name, nn.Parameter(torch.empty_like(tensor, device="meta"), requires_grad=False))
+    return released
+
+
 def int8(reduce_range: bool) -> LinearKernel:
     return Int8Kernel(reduce_range)
 
@@ -394,6 +436,13 @@ def bind(kernel: LinearKernel, weight: torch.Tensor, bias: torch.Tensor | None) 
             return _run_int8(x, int8_packed, reduce_range, relu)
 
         return run_int8
+    if isinstance(kernel, PackedInt8):
+        packed_int8, reduce_range = kernel.packed, kernel.reduce_range
+
+        def run_packed_int8(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+            return _run_int8(x, packed_int8, reduce_range, relu)
+
+        return run_packed_int8
     if kernel is onednn:
         packed = _onednn_weight(weight)
 

@@ -35,6 +35,11 @@ def linear(
     (followed by ReLU when ``relu``: the packed kernels fuse it)."""
     if uses_kernels(x.device):
         return kernel(x, weight, bias, relu)
+    if weight.is_meta and not x.is_meta:
+        raise RuntimeError(
+            "this layer's float weights were released for int8 inference (model.kernels.release_float_weights): "
+            "it runs on the CPU in inference mode only; load the checkpoint again for anything else"
+        )
     out = F.linear(x, weight, bias)
     return F.relu(out) if relu else out
 

@@ -223,3 +223,32 @@ def test_load_installs_the_plan_and_refuses_before_reading(tiny_weights_dir: Pat
     assert all(m.kernel is kernels.aten for m in ckpt.model.modules() if isinstance(m, Linear))
     with pytest.raises(UnsupportedPrecision):
         checkpoint.load(tmp_path / "does-not-exist", "cpu", "int8", BASELINE)
+
+
+@pytest.mark.skipif(not _runnable("int8"), reason="int8 needs AVX2 and fbgemm")
+def test_int8_load_keeps_one_copy_of_the_weights_and_decodes_as_before(tiny_weights_dir: Path) -> None:
+    """An int8 checkpoint holds its linear layers as packed int8 only (float weights released,
+    the embeddings the output projection shares kept); it translates exactly as the same plan
+    with the float weights still there, and refuses to run a released layer outside inference."""
+    from model.decoding import DecodingOptions
+    from model.translator import Translator
+
+    folder = tiny_weights_dir / "de-en"
+    ckpt = checkpoint.load(folder, "cpu", "int8")
+    layers = [m for m in ckpt.model.modules() if isinstance(m, Linear)]
+    assert layers and all(isinstance(m.kernel, kernels.PackedInt8) and m.weight.is_meta for m in layers)
+    embedding = ckpt.model.output_matrix()
+    assert not embedding.is_meta and embedding.untyped_storage().nbytes() == embedding.numel() * 4
+    float_bytes = sum(p.numel() * p.element_size() for p in ckpt.model.parameters() if not p.is_meta)
+    assert float_bytes < 0.5 * ckpt.model.num_parameters() * 4  # the layers' float copies are gone
+    kept = checkpoint.load(folder, "cpu", "float32")
+    kernels.install(kept.model, ckpt.plan)  # same int8 plan, float weights kept
+    texts = ["ein Hund läuft", "zwei Männer spielen Fußball im Park", "x"]
+    for beam in (1, 3):
+        options = DecodingOptions(beam_size=beam, max_length=12)
+        ids = ckpt.tokenizer.encode(texts)
+        ours = Translator(ckpt.model, ckpt.tokenizer).decode_ids(ids, options)
+        reference = Translator(kept.model, kept.tokenizer).decode_ids(ids, options)
+        assert [[h.ids for h in hyps] for hyps in ours] == [[h.ids for h in hyps] for hyps in reference]
+    with pytest.raises(RuntimeError, match="released for int8 inference"):
+        layers[0](torch.randn(2, layers[0].in_features))  # gradients enabled: not the kernel's path
