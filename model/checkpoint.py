@@ -148,7 +148,7 @@ def load(
     model.to(device=device, dtype=plan.dtype).eval()
     kernels.install(model, plan)
     if plan.kernel == "fbgemm-int8":  # the packed int8 copies are all the layers read: one copy, not two
-        released = kernels.release_float_weights(model)
+        released = kernels.release_float_weights(model, keep=[model.output_matrix()])
         log.info("int8: released %.1f MiB of float weights that packed int8 copies replace", released / 2**20)
     log.info("loaded %s (%d parameters): %s", path, model.num_parameters(), plan.describe())
     return Checkpoint(model, tokenizer, meta, path, plan)

@@ -141,7 +141,7 @@ class KernelPlan:
 
     device: str
     precision: Precision
-    dtype: torch.dtype  # of the parameters (int8 keeps float32 masters; the kernel packs int8 copies)
+    dtype: torch.dtype  # of the parameters (int8: float32, packed to int8 and then released: release_float_weights)
     kernel: Literal["onednn", "aten", "fbgemm-int8"]
     isa: str
     reduce_range: bool = False  # int8: 7-bit activations, so AVX2's 16-bit accumulation cannot saturate
@@ -367,21 +367,19 @@ class PackedInt8:
         return _run_int8(x, self.packed, self.reduce_range, relu)
 
 
-def release_float_weights(model: nn.Module) -> int:
+def release_float_weights(model: nn.Module, keep: Iterable[torch.Tensor] = ()) -> int:
     """For int8 inference: every layer whose kernel is ``Int8Kernel`` gets its weight packed now
     into a ``PackedInt8`` kernel, and its float weight and bias are replaced by placeholders on
     the meta device (same shapes, no memory), so the model holds one copy of those weights (the
-    int8 one) instead of two. A weight another module shares (the output projection tied to the
-    embeddings, which the embedding lookup reads) is kept. The model is then for inference only:
-    ``model.linear.linear`` refuses to run a released layer on any other path.
-    -> bytes released."""
-    uses: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
+    int8 one) instead of two. Weights in ``keep`` (read elsewhere: the output projection, which
+    the model runs through its own kernel and which may be the embeddings) stay. The model is
+    then for inference only: ``model.linear.linear`` refuses to run a released layer on any
+    other path. -> bytes released."""
+    kept = {id(t) for t in keep}
     released = 0
     for module in model.modules():
         kernel, weight = getattr(module, "kernel", None), getattr(module, "weight", None)
-        if not isinstance(kernel, Int8Kernel) or not isinstance(weight, nn.Parameter) or uses[id(weight)] > 1:
+        if not isinstance(kernel, Int8Kernel) or not isinstance(weight, nn.Parameter) or id(weight) in kept:
             continue
         bias = getattr(module, "bias", None)
         packed = _pack_int8(weight.detach(), None if bias is None else bias.detach())

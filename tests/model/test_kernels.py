@@ -252,3 +252,28 @@ def test_int8_load_keeps_one_copy_of_the_weights_and_decodes_as_before(tiny_weig
         assert [[h.ids for h in hyps] for hyps in ours] == [[h.ids for h in hyps] for hyps in reference]
     with pytest.raises(RuntimeError, match="released for int8 inference"):
         layers[0](torch.randn(2, layers[0].in_features))  # gradients enabled: not the kernel's path
+
+
+@pytest.mark.skipif(not _runnable("int8"), reason="int8 needs AVX2 and fbgemm")
+@pytest.mark.parametrize("tied", [True, False])
+def test_releasing_float_weights_keeps_what_is_read_elsewhere(tied: bool) -> None:
+    """The output projection (the embeddings when tied, its own layer when not) is run by the
+    model's kernel on the float matrix, so it stays; every other int8 layer gives its float
+    weights up, and the network computes exactly what it computed before."""
+    from model.config import ModelConfig
+    from model.transformer import Transformer
+
+    torch.manual_seed(5)
+    cfg = ModelConfig(src_vocab_size=50, tgt_vocab_size=50, d_model=32, n_heads=2, encoder_layers=1,
+                      decoder_layers=1, d_ff=64, share_embeddings=tied)  # fmt: skip
+    model = kernels.install(Transformer(cfg).eval(), kernels.choose("cpu", "int8"))
+    src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 5))
+    with torch.inference_mode():
+        before = model(src, tgt)
+        released = kernels.release_float_weights(model, keep=[model.output_matrix()])
+        after = model(src, tgt)
+    assert torch.equal(before, after)
+    assert not model.output_matrix().is_meta
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert [m.weight.is_meta for m in layers] == [m.weight is not model.output_matrix() for m in layers]
+    assert released == sum(4 * (m.weight.numel() + m.bias.numel()) for m in layers if m.weight.is_meta)
