@@ -46,9 +46,8 @@ class Spare:
         return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
-        """``buffer`` is free: keep the larger of it and the current spare."""
-        if self._buffer is None or buffer.numel() > self._buffer.numel():
-            self._buffer = buffer
+        """``buffer`` is free: it is the spare now (every ``take`` is followed by one ``give``)."""
+        self._buffer = buffer
 
 
 class SelfAttentionCache:
@@ -152,8 +151,9 @@ class SelfAttentionCache:
             self.capacity = capacity
         slots = new + room if room is not None else self._grown(new, new + 1)
         needed = n * self.heads * slots * self.head_dim
-        extra = n * self.heads * SPARE_SLOTS * self.head_dim  # so beam search (one more slot per
-        gathered = []  # step) reallocates rarely
+        # a new buffer gets SPARE_SLOTS more, so beam search (one more slot per step) reallocates rarely
+        extra = n * self.heads * SPARE_SLOTS * self.head_dim
+        gathered = []
         for buffer in (self._k, self._v):
             into = self._spare.take(buffer, needed, extra)
             source = self._layout(buffer, self.rows, self.slots)[:, :, drop : self.length]

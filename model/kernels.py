@@ -427,20 +427,14 @@ def bind(kernel: LinearKernel, weight: torch.Tensor, bias: torch.Tensor | None) 
     linears, and at a few rows the per-call lookups cost as much as the arithmetic). Only for
     weights that stay unchanged while the bound function is used."""
     kernel = _float_kernel(weight.dtype) if kernel is auto else kernel
-    if isinstance(kernel, Int8Kernel):
-        int8_packed, reduce_range = _int8_packed.get(weight, bias), kernel.reduce_range
+    if isinstance(kernel, Int8Kernel | PackedInt8):
+        int8_packed = kernel.packed if isinstance(kernel, PackedInt8) else _int8_packed.get(weight, bias)
+        reduce_range = kernel.reduce_range
 
         def run_int8(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
             return _run_int8(x, int8_packed, reduce_range, relu)
 
         return run_int8
-    if isinstance(kernel, PackedInt8):
-        packed_int8, reduce_range = kernel.packed, kernel.reduce_range
-
-        def run_packed_int8(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
-            return _run_int8(x, packed_int8, reduce_range, relu)
-
-        return run_packed_int8
     if kernel is onednn:
         packed = _onednn_weight(weight)
 
