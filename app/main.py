@@ -55,7 +55,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.translator = state
     errors.install(app)
     # the request models state this server's limits (its settings, its checkpoints' config.json)
-    app.include_router(build_router(openapi.request_models(settings, openapi.model_facts(settings.weights_dir))))
+    facts = openapi.model_facts(settings.weights_dir, settings.load_only)
+    app.include_router(build_router(openapi.request_models(settings, facts)))
     if STATIC.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC), name="static")
     if settings.cors_origins:

@@ -18,6 +18,7 @@ field descriptions and gets a 400, as every invalid request does (``app.errors``
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypeVar, cast
@@ -50,13 +51,13 @@ class ModelFacts:
     heads: int
 
 
-def model_facts(weights_dir: Path) -> ModelFacts | None:
-    """Read every checkpoint's config.json; None when there is none (the schema then states
-    the settings' limits only)."""
+def model_facts(weights_dir: Path, languages: Sequence[str] = ()) -> ModelFacts | None:
+    """Read the config.json of every checkpoint served (``languages``: the load_only setting);
+    None when there is none (the schema then states the settings' limits only)."""
     from app.service import discover  # (app.service imports torch: only when a schema is built)
 
     try:
-        metas = [checkpoint.read_meta(p) for p in discover(weights_dir)]
+        metas = [checkpoint.read_meta(p) for p in discover(weights_dir, languages)]
         configs = [checkpoint.model_config(m, weights_dir) for m in metas]
     except (RuntimeError, checkpoint.CheckpointError) as err:
         log.warning("OpenAPI schema without model limits: %s", err)

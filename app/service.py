@@ -334,11 +334,20 @@ def _read_metrics(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def discover(weights_dir: Path) -> list[Path]:
-    """Every checkpoint folder (one holding config.json) directly under ``weights_dir``."""
+def discover(weights_dir: Path, languages: Sequence[str] = ()) -> list[Path]:
+    """Every checkpoint folder (one holding config.json) directly under ``weights_dir``; with
+    ``languages``, only those whose source and target languages are both among them."""
     if not weights_dir.is_dir():
         raise RuntimeError(f"weights folder {weights_dir} not found")
     found = sorted(p for p in weights_dir.iterdir() if (p / checkpoint.CONFIG).is_file())
     if not found:
         raise RuntimeError(f"no checkpoint folders (with {checkpoint.CONFIG}) in {weights_dir}")
+    if languages:
+        pair = {p: (checkpoint.read_meta(p)["source_lang"], checkpoint.read_meta(p)["target_lang"]) for p in found}
+        found = [p for p in found if set(pair[p]) <= set(languages)]
+        if not found:
+            raise RuntimeError(
+                f"TRANSLATOR_LOAD_ONLY={','.join(languages)}: no checkpoint in {weights_dir} translates between these "
+                "languages"
+            )
     return found

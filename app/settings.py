@@ -29,6 +29,11 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TRANSLATOR_", frozen=True)
 
     weights_dir: Path = Field(Path("weights"), description="folder with one checkpoint folder per direction")
+    load_only: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="comma-separated language codes (LibreTranslate's --load-only): load only the checkpoints "
+        "whose source and target are both listed; empty: all",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU")
     dtype: Literal["auto", Precision] = Field(
         "auto", description="auto: float16 on CUDA, float32 on CPU; int8: CPU only (needs AVX2)"
@@ -111,7 +116,7 @@ class Settings(BaseSettings):
         """Every valid API key: those of ``api_keys`` and those with limits of their own."""
         return frozenset(self.api_keys) | frozenset(self.api_key_limits)
 
-    @field_validator("api_keys", "cors_origins", mode="before")
+    @field_validator("api_keys", "cors_origins", "load_only", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):

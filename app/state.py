@@ -53,7 +53,7 @@ class AppState:
         """Refuse settings this machine cannot run (CUDA without a GPU, int8 without AVX2, no
         weights), with a message naming the setting; a slow precision is logged once."""
         kernel_plan(self.settings)
-        discover(self.settings.weights_dir)
+        discover(self.settings.weights_dir, self.settings.load_only)
 
     def load(self) -> None:
         """Load and warm up every checkpoint under the weights folder; then become ready."""
@@ -62,7 +62,7 @@ class AppState:
                 torch.set_num_threads(self.settings.threads)
             tune_malloc()
             bound_onednn_cache()
-            for path in discover(self.settings.weights_dir):
+            for path in discover(self.settings.weights_dir, self.settings.load_only):
                 service = TranslationService(path, self.settings, self.metrics)
                 service.start()
                 self.services[(service.source, service.target)] = service

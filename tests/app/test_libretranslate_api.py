@@ -163,6 +163,16 @@ def pivot_weights(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Toke
     return root
 
 
+def test_load_only_serves_the_directions_among_its_languages(pivot_weights: Path) -> None:
+    for client in start(Settings(weights_dir=pivot_weights, load_only="de, en")):  # type: ignore[arg-type]
+        languages = {lang["code"]: lang["targets"] for lang in client.get("/languages").json()}
+        assert languages == {"de": ["en"], "en": []}
+        assert [(d["source"], d["target"]) for d in client.get("/info").json()["directions"]] == [("de", "en")]
+        assert client.post("/translate", json={"q": "Hallo", "source": "de", "target": "en"}).status_code == 200
+        assert_error(client.post("/translate", json={"q": "Hi", "source": "en", "target": "fr"}), 400,
+                     "unsupported_language_pair")  # fmt: skip
+
+
 def test_a_pair_without_a_model_is_translated_through_english(pivot_weights: Path) -> None:
     for client in start(Settings(weights_dir=pivot_weights)):
         languages = {lang["code"]: lang["targets"] for lang in client.get("/languages").json()}
