@@ -30,11 +30,13 @@ def test_int8_is_served_and_reported(shipped: Path) -> None:
     with running_server(env) as url:
         reply = httpx.post(f"{url}/translate", json={"q": "Zwei Hunde spielen im Schnee.", **DOC}, timeout=60)
         assert reply.status_code == 200 and "dogs" in reply.json()["translatedText"].lower()
-        info = httpx.get(f"{url}/info").json()["directions"][0]
-        assert info["dtype"] == "int8" and info["kernel"] == "fbgemm-int8"
+        infos = httpx.get(f"{url}/info").json()["directions"]
+        assert {(i["dtype"], i["kernel"]) for i in infos} == {("int8", "fbgemm-int8")}  # every direction
+        shipped_directions = sorted(p.name for p in shipped.parent.iterdir() if (p / "config.json").is_file())
+        assert sorted(f"{i['source']}-{i['target']}" for i in infos) == shipped_directions
         families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
-        labels = [s.labels for s in families["translator_model_info"].samples]
-        assert labels == [{"direction": "de-en", "device": "cpu", "dtype": "int8"}]
+        labels = sorted((s.labels for s in families["translator_model_info"].samples), key=lambda x: x["direction"])
+        assert labels == [{"direction": d, "device": "cpu", "dtype": "int8"} for d in shipped_directions]
 
 
 @pytest.mark.parametrize(
@@ -43,6 +45,7 @@ def test_int8_is_served_and_reported(shipped: Path) -> None:
         # a CPU without AVX2, as the libraries' ISA cap presents it: fbgemm cannot run
         ({"TRANSLATOR_DTYPE": "int8", "ONEDNN_MAX_CPU_ISA": "SSE41", "ATEN_CPU_CAPABILITY": "default"}, "AVX2"),
         ({"TRANSLATOR_WEIGHTS_DIR": "/nonexistent/weights"}, "weights folder"),
+        ({"TRANSLATOR_LOAD_ONLY": "xx,yy"}, "TRANSLATOR_LOAD_ONLY=xx,yy: no checkpoint"),
     ],
 )
 def test_settings_that_cannot_run_fail_start_up(shipped: Path, env: dict[str, str], message: str) -> None:
