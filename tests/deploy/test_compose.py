@@ -58,9 +58,12 @@ def test_translator_builds_the_cpu_image_by_default(cpu: dict[str, Any]) -> None
 
 
 def test_translator_memory_is_limited_from_the_measured_soak(cpu: dict[str, Any]) -> None:
-    """docs/reliability.md: soak peaks of 860-1,010 MiB; the limit leaves room above them."""
+    """docs/reliability.md: soak peaks of 860-1,010 MiB with one direction loaded, ~70 MiB more for
+    each further one (docs/benchmarks.md); the limit leaves ~50% above that with all six."""
     translator = cpu["services"]["translator"]
-    assert translator["mem_limit"] == str(1536 * 2**20)
+    expected_peak_mib = 1010 + 5 * 70
+    assert int(translator["mem_limit"]) >= 1.5 * expected_peak_mib * 2**20
+    assert translator["mem_limit"] == str(2048 * 2**20)
     raised = resolved(BASE, env={"TRANSLATOR_MEMORY_LIMIT": "3g"})["services"]["translator"]
     assert raised["mem_limit"] == str(3 * 2**30)
 
