@@ -71,17 +71,25 @@ def evaluate(
 
 
 def measure_checkpoint(
-    folder: Path, data_dir: str, source: str, target: str, splits: Sequence[str], device: str = "cpu", limit: int = 0
+    folder: Path,
+    data_dir: str,
+    source: str,
+    target: str,
+    splits: Sequence[str],
+    device: str = "cpu",
+    limit: int = 0,
+    source_prefix: str = "",
 ) -> dict[str, Any]:
     """Greedy and recommended-beam scores of a checkpoint on several splits (for metrics.json);
-    ``limit`` > 0 scores only the first sentences of each split (smoke runs)."""
+    ``limit`` > 0 scores only the first sentences of each split (smoke runs); ``source_prefix``
+    leads every source sentence (a many-to-many model's target tag)."""
     ckpt = checkpoint.load(folder, device)
     translator = Translator(ckpt.model, ckpt.tokenizer)
     beam = checkpoint.decoding_options(ckpt.meta)
     out: dict[str, Any] = {}
     for split in splits:
         data = read_parallel(split_file(data_dir, split, source), split_file(data_dir, split, target)).head(limit)
-        src, ref = data.src, data.tgt
+        src, ref = [source_prefix + x for x in data.src], data.tgt
         for name, options in (("greedy", checkpoint.decoding_options(ckpt.meta, 1)), (f"beam{beam.beam_size}", beam)):
             result = evaluate(translator, src, ref, options)
             keys = ("bleu", "bleu_lc", "chrf", "sentences", "signatures")

@@ -6,6 +6,7 @@ import io
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import sentencepiece as spm
 
@@ -75,15 +76,24 @@ class Tokenizer:
         return [str(self.sp.id_to_piece(int(i))) for i in ids]
 
 
+def target_tag(lang: str) -> str:
+    """The token that leads a source sentence to ask a many-to-many model for ``lang``; such
+    a model's tokenizer holds it as one piece (``train_tokenizer``'s ``user_symbols``)."""
+    return f"<2{lang}>"
+
+
 def train_tokenizer(
     sentences: Iterable[str],
     vocab_size: int,
     model_type: str = "unigram",
     character_coverage: float = 1.0,
     seed_sentences: int = 0,
+    user_symbols: Sequence[str] = (),
 ) -> Tokenizer:
-    """Train a sentencepiece model in memory on the given (joint) corpus."""
+    """Train a sentencepiece model in memory on the given (joint) corpus; ``user_symbols``
+    (e.g. target-language tags) are kept whole wherever they occur."""
     buffer = io.BytesIO()
+    extra: dict[str, Any] = {"user_defined_symbols": list(user_symbols)} if user_symbols else {}
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences),
         model_writer=buffer,
@@ -98,6 +108,7 @@ def train_tokenizer(
         shuffle_input_sentence=True,
         num_threads=2,
         minloglevel=2,
+        **extra,
     )
     log.info("trained a %s sentencepiece model with %d pieces", model_type, vocab_size)
     return Tokenizer(buffer.getvalue())

@@ -30,7 +30,7 @@ from model.decoding import DecodingOptions
 from model.evaluate import measure_checkpoint, score_translations
 from model.multi30k import ensure_split_files
 from model.progress import progress
-from model.tokenizer import Tokenizer, train_tokenizer
+from model.tokenizer import Tokenizer, target_tag, train_tokenizer
 from model.train_config import TrainConfig, load_train_config
 from model.train_state import average_files, load_state, save_state
 from model.transformer import Transformer
@@ -84,14 +84,15 @@ class Trainer:
             torch.set_num_threads(cfg.optim.threads)
         torch.manual_seed(cfg.optim.seed)
         d = cfg.data
+        self.pairs = d.pairs()
+        self.languages = sorted({lang for pair in self.pairs for lang in pair})
         # the configured folder, or Multi30k downloaded and verified when it is not there
-        self.data_dir = data_dir = str(ensure_split_files(d.dir, [d.train, d.valid, d.test], [d.source, d.target]))
-        self.train_text = clean(
-            read_parallel(split_file(data_dir, d.train, d.source), split_file(data_dir, d.train, d.target)), d.max_ratio
-        ).head(d.train_limit)
-        self.valid_text = read_parallel(
-            split_file(data_dir, d.valid, d.source), split_file(data_dir, d.valid, d.target)
-        ).head(d.eval_limit)
+        self.data_dir = str(ensure_split_files(d.dir, [d.train, d.valid, d.test], self.languages))
+        # per direction, untagged; a many-to-many run leads each source with its target's tag
+        self.train_parts = {p: clean(self._read(d.train, p), d.max_ratio).head(d.train_limit) for p in self.pairs}
+        self.valid_parts = {p: self._read(d.valid, p).head(d.eval_limit) for p in self.pairs}
+        self.train_text = self._joined(self.train_parts)
+        self.valid_text = self._joined(self.valid_parts)
         self.tokenizer = self._tokenizer()
         self.train_data = self._corpus(self.train_text)
         self.valid_data = self._corpus(self.valid_text)
@@ -108,14 +109,34 @@ class Trainer:
         self.step, self.epoch = 0, 0
         self.history: list[dict[str, Any]] = []  # EpochRecord dicts
 
+    def _read(self, split: str, pair: tuple[str, str]) -> Parallel:
+        return read_parallel(split_file(self.data_dir, split, pair[0]), split_file(self.data_dir, split, pair[1]))
+
+    @property
+    def many(self) -> bool:
+        """A many-to-many run (``data.directions``): target tags on the source side."""
+        return bool(self.cfg.data.directions)
+
+    def _tagged(self, pair: tuple[str, str], text: Parallel) -> Parallel:
+        if not self.many:
+            return text
+        return Parallel([f"{target_tag(pair[1])} {line}" for line in text.src], text.tgt)
+
+    def _joined(self, parts: dict[tuple[str, str], Parallel]) -> Parallel:
+        tagged = [self._tagged(pair, text) for pair, text in parts.items()]
+        return Parallel([x for t in tagged for x in t.src], [y for t in tagged for y in t.tgt])
+
     def _tokenizer(self) -> Tokenizer:
         spm_path = self.out / checkpoint.SPM
         if spm_path.exists():
             return Tokenizer.load(spm_path)
         t = self.cfg.tokenizer
-        tokenizer = train_tokenizer(
-            self.train_text.src + self.train_text.tgt, t.vocab_size, t.model_type, t.character_coverage
-        )
+        if self.many:  # each language's sentences once, however many directions they appear in
+            corpus = list(dict.fromkeys(x for text in self.train_parts.values() for x in text.src + text.tgt))
+            tags = [target_tag(lang) for lang in self.languages]
+        else:
+            corpus, tags = self.train_text.src + self.train_text.tgt, []
+        tokenizer = train_tokenizer(corpus, t.vocab_size, t.model_type, t.character_coverage, user_symbols=tags)
         spm_path.write_bytes(tokenizer.model_proto)
         return tokenizer
 
@@ -170,7 +191,8 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> tuple[float, float]:
-        """-> (validation loss per token, greedy validation BLEU)."""
+        """-> (validation loss per token, greedy validation BLEU; a many-to-many run's is the
+        mean over its directions)."""
         self.model.eval()
         total, tokens = 0.0, 0
         for batch in self.valid_data.batches(self.cfg.optim.max_tokens, shuffle=False):
@@ -180,8 +202,14 @@ class Trainer:
             hyps = Translator(self.model, self.tokenizer).translate(
                 self.valid_text.src, DecodingOptions(beam_size=1), on_done=bar.update
             )
-        bleu = score_translations([h.text for h in hyps], self.valid_text.tgt)["bleu"]
-        return total / tokens, bleu
+        scores, start = {}, 0
+        for (source, target), text in self.valid_parts.items():
+            end = start + len(text)
+            scores[f"{source}-{target}"] = score_translations([h.text for h in hyps[start:end]], text.tgt)["bleu"]
+            start = end
+        if self.many:
+            log.info("validation BLEU (greedy) per direction: %s", scores)
+        return total / tokens, sum(scores.values()) / len(scores)
 
     def run(self, max_steps_per_epoch: int | None = None) -> None:
         o = self.cfg.optim
@@ -272,8 +300,11 @@ class Trainer:
         checkpoint.assign(self.model, options[chosen], chosen)
         meta = {
             "name": self.cfg.name,
-            "source_lang": self.cfg.data.source,
-            "target_lang": self.cfg.data.target,
+            **(
+                {"directions": [f"{s}-{t}" for s, t in self.pairs], "target_tags": True}
+                if self.many
+                else {"source_lang": self.cfg.data.source, "target_lang": self.cfg.data.target}
+            ),
             "decoding": self.cfg.decoding.__dict__,
             "training": {
                 "config": self.cfg.to_dict(),
@@ -299,10 +330,17 @@ def train(
         trainer.resume()
     trainer.run(max_steps_per_epoch)
     final = trainer.finish()
-    d = cfg.data
-    metrics = measure_checkpoint(
-        final, trainer.data_dir, d.source, d.target, [d.valid, d.test], str(trainer.device), d.eval_limit
-    )
+    d, device = cfg.data, str(trainer.device)
+    if trainer.many:  # per direction, each source led by its target's tag
+        metrics = {
+            f"{s}-{t}": measure_checkpoint(
+                final, trainer.data_dir, s, t, [d.valid, d.test], device, d.eval_limit, f"{target_tag(t)} "
+            )
+            for s, t in trainer.pairs
+        }
+    else:
+        splits = [d.valid, d.test]
+        metrics = measure_checkpoint(final, trainer.data_dir, d.source, d.target, splits, device, d.eval_limit)
     (final / checkpoint.METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
     return final
 

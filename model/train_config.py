@@ -24,6 +24,18 @@ class DataConfig:
     max_ratio: float = 3.0
     train_limit: int = 0  # use only the first N training pairs (0: all); for smoke runs
     eval_limit: int = 0  # score only the first N validation/test pairs (0: all)
+    # many-to-many: "src-tgt" directions trained together in one model, each source sentence led
+    # by its target language's tag (model.tokenizer.target_tag); empty: source -> target alone
+    directions: tuple[str, ...] = ()
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """The (source, target) language pairs this run trains."""
+        if not self.directions:
+            return [(self.source, self.target)]
+        pairs = [tuple(d.split("-")) for d in self.directions]
+        if any(len(p) != 2 or p[0] == p[1] or not all(p) for p in pairs) or len(set(pairs)) != len(pairs):
+            raise ValueError(f"[data] directions: distinct 'src-tgt' pairs expected, got {list(self.directions)}")
+        return [(p[0], p[1]) for p in pairs]
 
 
 @dataclass(frozen=True)

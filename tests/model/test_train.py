@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -101,3 +102,34 @@ def test_average_files_takes_the_elementwise_mean(tmp_path: Path) -> None:
         save_file({"w": torch.full((2, 2), value), "steps": torch.tensor([i])}, str(tmp_path / f"{i}.safetensors"))
     avg = average_files([tmp_path / f"{i}.safetensors" for i in range(3)])
     torch.testing.assert_close(avg["w"], torch.full((2, 2), 3.0))
+
+
+def test_a_many_to_many_run_trains_every_direction_with_target_tags(tmp_path: Path, data_dir: Path) -> None:
+    config = tiny_config(tmp_path, data_dir, epochs=1).read_text()
+    config = config.replace("train_limit = 3000", 'train_limit = 600\ndirections = ["de-en", "en-de", "fr-en"]')
+    path = tmp_path / "many.toml"
+    path.write_text(config.replace("eval_limit = 40", "eval_limit = 12"))
+    cfg = load_train_config(path)
+    trainer = Trainer(cfg, tmp_path / "many", torch.device("cpu"))
+    # every direction's pairs, each source led by its target's tag, which the tokenizer keeps whole
+    assert len(trainer.train_text) == sum(len(t) for t in trainer.train_parts.values()) > 3 * 550
+    assert [trainer.train_text.src[i].split()[0] for i in (0, 600, 1200)] == ["<2en>", "<2de>", "<2en>"]
+    for tag in ("<2de>", "<2en>", "<2fr>"):
+        assert tag in trainer.tokenizer.pieces(trainer.tokenizer.encode([f"{tag} Ein Hund."])[0])
+    french = trainer.tokenizer.encode(["Un chien court."])[0]
+    assert trainer.tokenizer.decode([french]) == ["Un chien court."]  # French is in the joint vocabulary
+    final = train(cfg, tmp_path / "many", max_steps_per_epoch=3)
+    meta = checkpoint.read_meta(final)
+    assert meta["directions"] == ["de-en", "en-de", "fr-en"] and meta["target_tags"] is True
+    metrics = json.loads((final / "metrics.json").read_text())
+    assert set(metrics) == {"de-en", "en-de", "fr-en"}
+    assert all(m["val"]["greedy"]["sentences"] == 12 for m in metrics.values())
+
+
+def test_directions_must_be_distinct_pairs_of_two_languages(tmp_path: Path, data_dir: Path) -> None:
+    for bad in ('["de-en", "de-en"]', '["de"]', '["de-de"]', '["de-en-fr"]'):
+        path = tmp_path / "bad.toml"
+        path.write_text(tiny_config(tmp_path, data_dir, epochs=1).read_text().replace(
+            "train_limit = 3000", f"train_limit = 3000\ndirections = {bad}"))  # fmt: skip
+        with pytest.raises(ValueError, match="directions"):
+            load_train_config(path).data.pairs()
