@@ -342,6 +342,12 @@ def discover(weights_dir: Path, languages: Sequence[str] = ()) -> list[Path]:
     found = sorted(p for p in weights_dir.iterdir() if (p / checkpoint.CONFIG).is_file())
     if not found:
         raise RuntimeError(f"no checkpoint folders (with {checkpoint.CONFIG}) in {weights_dir}")
+    for p in found:
+        if "source_lang" not in (meta := checkpoint.read_meta(p)):
+            raise RuntimeError(
+                f"{p}: a many-to-many checkpoint ({', '.join(meta.get('directions', []))}), which this version "
+                f"does not serve; move it out of {weights_dir}"
+            )
     if languages:
         pair = {p: (checkpoint.read_meta(p)["source_lang"], checkpoint.read_meta(p)["target_lang"]) for p in found}
         found = [p for p in found if set(pair[p]) <= set(languages)]

@@ -19,6 +19,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from app.settings import Settings
+from app.state import AppState
 from app.suggestions import SuggestionStore
 from model import checkpoint
 from model.data import read_parallel
@@ -171,6 +172,15 @@ def test_load_only_serves_the_directions_among_its_languages(pivot_weights: Path
         assert client.post("/translate", json={"q": "Hallo", "source": "de", "target": "en"}).status_code == 200
         assert_error(client.post("/translate", json={"q": "Hi", "source": "en", "target": "fr"}), 400,
                      "unsupported_language_pair")  # fmt: skip
+
+
+def test_a_many_to_many_checkpoint_is_refused_at_start_up(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
+    model = Transformer(tiny_config(tiny_tokenizer.vocab_size))
+    meta = {"directions": ["de-en", "en-de"], "target_tags": True, "decoding": {"beam_size": 2}}
+    checkpoint.save(tmp_path / "m2m", model, tiny_tokenizer, meta)
+    state = AppState(Settings(weights_dir=tmp_path))
+    with pytest.raises(RuntimeError, match="many-to-many checkpoint \\(de-en, en-de\\)"):
+        state.check()
 
 
 def test_a_pair_without_a_model_is_translated_through_english(pivot_weights: Path) -> None:
