@@ -342,15 +342,24 @@ def discover(weights_dir: Path, languages: Sequence[str] = ()) -> list[Path]:
     found = sorted(p for p in weights_dir.iterdir() if (p / checkpoint.CONFIG).is_file())
     if not found:
         raise RuntimeError(f"no checkpoint folders (with {checkpoint.CONFIG}) in {weights_dir}")
+    metas: dict[Path, dict[str, Any]] = {}
     for p in found:
-        if "source_lang" not in (meta := checkpoint.read_meta(p)):
+        try:
+            metas[p] = checkpoint.read_meta(p)
+        except checkpoint.CheckpointError:
+            continue  # loading it fails later, in the background: the server runs, unhealthy, pathless
+        if "directions" in metas[p]:
             raise RuntimeError(
-                f"{p}: a many-to-many checkpoint ({', '.join(meta.get('directions', []))}), which this version "
+                f"{p}: a many-to-many checkpoint ({', '.join(metas[p]['directions'])}), which this version "
                 f"does not serve; move it out of {weights_dir}"
             )
     if languages:
-        pair = {p: (checkpoint.read_meta(p)["source_lang"], checkpoint.read_meta(p)["target_lang"]) for p in found}
-        found = [p for p in found if set(pair[p]) <= set(languages)]
+        # (a checkpoint whose config cannot be read stays: its load fails later, as without the setting)
+        found = [
+            p
+            for p in found
+            if p not in metas or {metas[p].get("source_lang"), metas[p].get("target_lang")} <= set(languages)
+        ]
         if not found:
             raise RuntimeError(
                 f"TRANSLATOR_LOAD_ONLY={','.join(languages)}: no checkpoint in {weights_dir} translates between these "

@@ -131,8 +131,9 @@ def positive(prometheus: str, promql: str) -> bool:
 
 @pytest.fixture(scope="module")
 def scraped(prometheus: str) -> str:
-    """Prometheus once it holds two scrapes after the traffic (so rate() has a range to work on)."""
-    counted = 'sum(count_over_time(translator_source_tokens_total{job="translator"}[1m]))'
+    """Prometheus once it holds two scrapes after the traffic (so rate() has a range to work on):
+    two samples of one series (the server has a series per direction, all in every scrape)."""
+    counted = 'max(count_over_time(translator_source_tokens_total{job="translator"}[1m]))'
     wait_for(lambda: any(float(r["value"][1]) >= 2 for r in query(prometheus, counted)), 45, "translator_ scrapes")
     return prometheus
 
