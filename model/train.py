@@ -212,9 +212,17 @@ class Trainer:
             log.info("validation BLEU (greedy) per direction: %s", scores)
         return total / tokens, sum(scores.values()) / len(scores)
 
-    def run(self, max_steps_per_epoch: int | None = None) -> None:
+    def run(self, max_steps_per_epoch: int | None = None, time_budget_s: float | None = None) -> None:
+        """Train until ``max_epochs``, patience, or (when given) the time budget: no epoch starts
+        that the last one's duration says would end past ``time_budget_s`` from now."""
         o = self.cfg.optim
+        started = time.perf_counter()
         while self.epoch < o.max_epochs and not self._patience_exhausted():
+            if time_budget_s is not None and self.history:
+                elapsed = time.perf_counter() - started
+                if elapsed + self.history[-1]["seconds"] > time_budget_s:
+                    log.info("time budget of %.0f s: stopping after epoch %d (%.0f s used)", time_budget_s, self.epoch, elapsed)
+                    break
             t0 = time.perf_counter()
             train_loss, rate = self.train_epoch(max_steps_per_epoch)
             valid_loss, bleu = self.validate()
@@ -323,13 +331,18 @@ class Trainer:
 
 
 def train(
-    cfg: TrainConfig, out: Path, resume: bool = False, device: str = "auto", max_steps_per_epoch: int | None = None
+    cfg: TrainConfig,
+    out: Path,
+    resume: bool = False,
+    device: str = "auto",
+    max_steps_per_epoch: int | None = None,
+    time_budget_s: float | None = None,
 ) -> Path:
     """Train (or continue) a run and return the final checkpoint folder."""
     trainer = Trainer(cfg, out, resolve_device(device))
     if resume and (out / "state").exists():
         trainer.resume()
-    trainer.run(max_steps_per_epoch)
+    trainer.run(max_steps_per_epoch, time_budget_s)
     final = trainer.finish()
     d, device = cfg.data, str(trainer.device)
     if trainer.many:  # per direction, each source led by its target's tag
@@ -353,11 +366,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from OUT/state")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--max-steps-per-epoch", type=int, help="cap updates per epoch (smoke runs)")
+    parser.add_argument(
+        "--time-budget-minutes",
+        type=float,
+        help="start no epoch that would end past this many minutes of training (then average and score as usual)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_train_config(args.config)
     out = args.out or Path("runs") / cfg.name
-    final = train(cfg, out, args.resume, args.device, args.max_steps_per_epoch)
+    budget = None if args.time_budget_minutes is None else args.time_budget_minutes * 60
+    final = train(cfg, out, args.resume, args.device, args.max_steps_per_epoch, budget)
     log.info("final checkpoint: %s", final)
 
 

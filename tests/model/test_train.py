@@ -69,6 +69,19 @@ def test_training_lowers_loss_and_writes_a_checkpoint(tmp_path: Path, data_dir: 
     assert metrics["val"]["greedy"]["sentences"] == 40
 
 
+def test_a_time_budget_stops_before_an_epoch_that_would_overrun_it(tmp_path: Path, data_dir: Path) -> None:
+    # a zero budget: the first epoch always runs (nothing to estimate from), no second starts;
+    # the run still averages, selects and scores as a finished one
+    cfg = load_train_config(tiny_config(tmp_path, data_dir, epochs=3))
+    final = train(cfg, tmp_path / "run", max_steps_per_epoch=3, time_budget_s=0.0)
+    assert [e["epoch"] for e in epochs_of(tmp_path / "run")] == [1]
+    assert checkpoint.load(final).meta["training"]["epochs"] == 1
+    assert set(json.loads((final / "metrics.json").read_text())) == {"val", "test_2016_flickr"}
+    # a budget far larger than the run changes nothing
+    train(cfg, tmp_path / "long", max_steps_per_epoch=3, time_budget_s=3600.0)
+    assert [e["epoch"] for e in epochs_of(tmp_path / "long")] == [1, 2, 3]
+
+
 def test_bf16_autocast_training_and_validation_run_on_cpu(tmp_path: Path, data_dir: Path) -> None:
     """The shipped recipe asks for bf16 autocast: it runs where the CPU has native bf16 (else
     float32, logged), and validation runs under it without gradients."""
