@@ -26,6 +26,9 @@ from model.transformer import Transformer
 log = logging.getLogger(__name__)
 
 WEIGHTS, CONFIG, SPM, METRICS = "model.safetensors", "config.json", "spm.model", "metrics.json"
+# Weights above this size are written as shards (model-00001-of-00003.safetensors, ...): every
+# file of a checkpoint stays under 16 MiB (what a file transfer of the GPU machine takes back).
+SHARD_BYTES = 15 * 2**20
 FORMAT_VERSION = 1
 
 
@@ -72,7 +75,12 @@ def save(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to("cpu", dtype if v.is_floating_point() else v.dtype) for k, v in unique_state(model).items()}
-    save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
+    for old in weight_files(path):
+        old.unlink()
+    shards = _shards(tensors)
+    for i, shard in enumerate(shards, 1):
+        name = WEIGHTS if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
     (path / SPM).write_bytes(tokenizer.model_proto)
     config = {
         **(meta or {}),
@@ -83,6 +91,35 @@ def save(
     }
     (path / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return path
+
+
+def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Tensors in order, cut into groups of at most ``SHARD_BYTES`` (a larger tensor alone)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """A checkpoint folder's weights: model.safetensors, or its shards in order."""
+    path = Path(path)
+    single = path / WEIGHTS
+    return [single] if single.is_file() else sorted(path.glob("model-*-of-*.safetensors"))
+
+
+def directions(meta: dict[str, Any]) -> list[tuple[str, str]]:
+    """The (source, target) pairs a checkpoint translates: its one direction, or a
+    many-to-many model's list (each source led by its target's tag, ``target_tag``)."""
+    if "directions" in meta:
+        return [(d.split("-")[0], d.split("-")[1]) for d in meta["directions"]]
+    return [(str(meta["source_lang"]), str(meta["target_lang"]))]
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -144,7 +181,7 @@ def load(
             f"{path / SPM}: vocabulary of {tokenizer.vocab_size} pieces, but {CONFIG} says {config.tgt_vocab_size}"
         )
     model = Transformer(config)
-    load_weights(model, path / WEIGHTS)
+    load_weights(model, path)
     model.to(device=device, dtype=plan.dtype).eval()
     kernels.install(model, plan)
     if plan.kernel == "fbgemm-int8":  # the packed int8 copies are all the layers read: one copy, not two
@@ -154,15 +191,19 @@ def load(
     return Checkpoint(model, tokenizer, meta, path, plan)
 
 
-def load_weights(model: Transformer, file: Path) -> None:
-    """Copy tensors from a safetensors file into ``model`` after checking names and shapes."""
-    if not file.is_file():
-        raise CheckpointError(f"{file}: missing")
-    try:
-        tensors = load_file(str(file))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointError(f"{file}: corrupt or not a safetensors file ({err})") from err
-    assign(model, tensors, str(file))
+def load_weights(model: Transformer, path: Path) -> None:
+    """Copy tensors from a checkpoint folder's safetensors file (or shards) into ``model`` after
+    checking names and shapes."""
+    files = weight_files(path)
+    if not files:
+        raise CheckpointError(f"{path / WEIGHTS}: missing")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(str(file)))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"{file}: corrupt or not a safetensors file ({err})") from err
+    assign(model, tensors, str(files[0] if len(files) == 1 else path))
 
 
 def assign(model: Transformer, tensors: dict[str, torch.Tensor], where: str = "state") -> None:

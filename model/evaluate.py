@@ -2,10 +2,14 @@
 
     python -m model.evaluate --weights weights/de-en --src FILE --ref FILE \
         [--beam-size N] [--batch-size N] [--device D] [--dtype P] [--limit N] [--threads N]
+    python -m model.evaluate --weights weights/de-en --then weights/en-fr --split val   # through English
+    python -m model.evaluate --weights weights/many-to-many --direction de-fr --split val
 
 prints one JSON line: bleu (cased, 13a), bleu_lc (lowercased), chrf, their sacreBLEU signatures,
 sentences, seconds,
-beam_size, dtype and the linear kernel that ran (``model.kernels``).
+beam_size, dtype and the linear kernel that ran (``model.kernels``). With ``--then`` the first
+checkpoint's output is the second's input (a pivot, as the service runs a pair without a model of
+its own), each leg decoded with its own card's settings; the score is of the second's output.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from model.data import read_lines, read_parallel, split_file
 from model.decoding import DecodingOptions
 from model.multi30k import default_dir, ensure_split_files
 from model.progress import progress
+from model.tokenizer import target_prefix
 from model.translator import Translator
 
 log = logging.getLogger(__name__)
@@ -49,18 +54,26 @@ def score_translations(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, An
     return out
 
 
+def translate_all(
+    translator: Translator, src: Sequence[str], options: DecodingOptions, batch_size: int = 64
+) -> list[str]:
+    """Translations of ``src``, in order, in chunks that keep length-sorting effective yet bounded."""
+    hyps: list[str] = []
+    with progress(len(src), f"translating (beam {options.beam_size})") as bar:
+        for i in range(0, len(src), batch_size * 8):
+            chunk = translator.translate(
+                src[i : i + batch_size * 8], options, max_batch_tokens=batch_size * 32, on_done=bar.update
+            )
+            hyps.extend(t.text for t in chunk)
+    return hyps
+
+
 def evaluate(
     translator: Translator, src: Sequence[str], ref: Sequence[str], options: DecodingOptions, batch_size: int = 64
 ) -> dict[str, Any]:
     """Translate ``src`` and score against ``ref``; timing covers tokenization to text."""
     start = time.perf_counter()
-    hyps: list[str] = []
-    with progress(len(src), f"translating (beam {options.beam_size})") as bar:
-        for i in range(0, len(src), batch_size * 8):  # chunks keep length-sorting effective yet bounded
-            chunk = translator.translate(
-                src[i : i + batch_size * 8], options, max_batch_tokens=batch_size * 32, on_done=bar.update
-            )
-            hyps.extend(t.text for t in chunk)
+    hyps = translate_all(translator, src, options, batch_size)
     seconds = time.perf_counter() - start
     return {
         **score_translations(hyps, ref),
@@ -101,6 +114,12 @@ def measure_checkpoint(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", required=True, type=Path, help="checkpoint folder")
+    parser.add_argument(
+        "--then", type=Path, help="a second checkpoint that translates the first's output (a pivot: de-en then en-fr)"
+    )
+    parser.add_argument(
+        "--direction", help="SRC-TGT: one of a many-to-many checkpoint's directions (its target tag leads each source)"
+    )
     parser.add_argument("--src", type=Path, help="source sentences (plain or .gz)")
     parser.add_argument("--ref", type=Path, help="reference translations (plain or .gz)")
     parser.add_argument(
@@ -122,21 +141,41 @@ def main(argv: list[str] | None = None) -> None:
     if (args.split is None) == (args.src is None or args.ref is None):
         parser.error("give --src and --ref, or --split")
     ckpt = checkpoint.load(args.weights, args.device, args.dtype)
+    served = checkpoint.directions(ckpt.meta)
+    if args.direction is None and len(served) > 1:
+        parser.error(f"{args.weights} is a many-to-many checkpoint: name --direction ({', '.join(args_of(served))})")
+    pair = served[0] if args.direction is None else tuple(args.direction.split("-", 1))
+    if pair not in served:
+        parser.error(f"--direction {args.direction}: {args.weights} translates {', '.join(args_of(served))}")
+    prefix = target_prefix(ckpt.tokenizer, pair[1]) if ckpt.meta.get("target_tags") else ()
+    then = checkpoint.load(args.then, args.device, args.dtype) if args.then else None
+    if then is not None and then.meta.get("source_lang") != pair[1]:
+        parser.error(f"--then translates from {then.meta.get('source_lang')}, --weights into {pair[1]}")
     if args.split is not None:
-        source, target = str(ckpt.meta["source_lang"]), str(ckpt.meta["target_lang"])
+        source, target = pair[0], str(then.meta["target_lang"] if then else pair[1])
         folder = ensure_split_files(args.data_dir or default_dir(), [args.split], [source, target])
         args.src, args.ref = split_file(str(folder), args.split, source), split_file(str(folder), args.split, target)
     src, ref = read_lines(args.src), read_lines(args.ref)
     if args.limit:
         src, ref = src[: args.limit], ref[: args.limit]
+    start = time.perf_counter()
+    if then is not None:  # the first leg; the second is scored (and timed from here) below
+        first = checkpoint.decoding_options(ckpt.meta, args.beam_size)
+        leg = Translator(ckpt.model, ckpt.tokenizer, prefix)
+        src, ckpt, prefix = translate_all(leg, src, first, args.batch_size), then, ()
     result = evaluate(
-        Translator(ckpt.model, ckpt.tokenizer),
+        Translator(ckpt.model, ckpt.tokenizer, prefix),
         src,
         ref,
         checkpoint.decoding_options(ckpt.meta, args.beam_size),
         args.batch_size,
     )
+    result["seconds"] = round(time.perf_counter() - start, 3)
     print(json.dumps({**result, "dtype": args.dtype, "kernel": ckpt.plan.kernel}))
+
+
+def args_of(pairs: Sequence[tuple[str, str]]) -> list[str]:
+    return [f"{s}-{t}" for s, t in pairs]
 
 
 if __name__ == "__main__":

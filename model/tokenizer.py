@@ -82,6 +82,16 @@ def target_tag(lang: str) -> str:
     return f"<2{lang}>"
 
 
+def target_prefix(tokenizer: Tokenizer, lang: str) -> tuple[int, ...]:
+    """The ids that lead a source asking a many-to-many model for ``lang``: what the tokenizer
+    makes of the tag at the start of a text (a word-start piece, then the tag), so that
+    prefix + encode(text) == encode(tag + " " + text), as in training."""
+    ids = tokenizer.encode([target_tag(lang)])[0]
+    if tokenizer.pieces(ids)[-1] != target_tag(lang):
+        raise ValueError(f"the tokenizer has no {target_tag(lang)} piece: not a many-to-many model for {lang}")
+    return tuple(ids)
+
+
 def train_tokenizer(
     sentences: Iterable[str],
     vocab_size: int,

@@ -221,7 +221,9 @@ class Trainer:
             if time_budget_s is not None and self.history:
                 elapsed = time.perf_counter() - started
                 if elapsed + self.history[-1]["seconds"] > time_budget_s:
-                    log.info("time budget of %.0f s: stopping after epoch %d (%.0f s used)", time_budget_s, self.epoch, elapsed)
+                    log.info(
+                        "time budget %.0f s: stopping after epoch %d (%.0f s used)", time_budget_s, self.epoch, elapsed
+                    )
                     break
             t0 = time.perf_counter()
             train_loss, rate = self.train_epoch(max_steps_per_epoch)

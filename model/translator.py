@@ -50,23 +50,26 @@ class AttentionResult:
     cross: torch.Tensor
 
 
-def source_batch(model: Transformer, batch: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Source ids without specials -> (B, S) padded ids ending with EOS, on the model's device."""
+def source_batch(model: Transformer, batch: Sequence[Sequence[int]], prefix: Sequence[int] = ()) -> torch.Tensor:
+    """Source ids without specials -> (B, S) padded ids, each ``prefix`` (a many-to-many
+    model's target tag) + ids + EOS, on the model's device."""
     cfg = model.config
-    limit = cfg.max_tokens
+    limit = cfg.max_tokens - len(prefix)
     too_long = [len(ids) for ids in batch if len(ids) > limit]
     if too_long:
         raise ValueError(f"source of {max(too_long)} tokens exceeds {limit}")
-    return pad([[*ids, cfg.eos_id] for ids in batch], cfg.pad_id).to(next(model.parameters()).device)
+    return pad([[*prefix, *ids, cfg.eos_id] for ids in batch], cfg.pad_id).to(next(model.parameters()).device)
 
 
 class IdsSession:
-    """A ``DecodeSession`` fed source ids without specials: it adds EOS, pads, and moves them
-    to the model's device. The service's scheduler drives one per set of decoding options."""
+    """A ``DecodeSession`` fed source ids without specials: it adds the prefix and EOS, pads,
+    and moves them to the model's device. The service's scheduler drives one per set of
+    decoding options."""
 
-    def __init__(self, model: Transformer, options: DecodingOptions) -> None:
+    def __init__(self, model: Transformer, options: DecodingOptions, prefix: Sequence[int] = ()) -> None:
         self.session = DecodeSession(model, options)
         self.model = model
+        self.prefix = tuple(prefix)
 
     @property
     def active(self) -> int:
@@ -78,7 +81,7 @@ class IdsSession:
 
     def admit(self, batch: Sequence[Sequence[int]], tags: Sequence[int]) -> None:
         """Sentences (ids, no specials) join; they are returned by ``step`` under their tags."""
-        self.session.admit(source_batch(self.model, batch), tags)
+        self.session.admit(source_batch(self.model, batch, self.prefix), tags)
 
     def step(self) -> list[Finished]:
         """One decoder step of every active sentence -> those done at it."""
@@ -90,12 +93,15 @@ class IdsSession:
 
 
 class Translator:
-    """A model and its tokenizer, on one device."""
+    """A model and its tokenizer, on one device. ``prefix``: ids that lead every source (a
+    many-to-many model's target tag, ``target_prefix``); sources, limits and attention maps are
+    the text's own, without it."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer) -> None:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, prefix: Sequence[int] = ()) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = model.config
+        self.prefix = tuple(prefix)
 
     @property
     def device(self) -> torch.device:
@@ -104,7 +110,7 @@ class Translator:
     @property
     def max_source_tokens(self) -> int:
         """Longest source (in pieces, before EOS) the model's positions can hold."""
-        return self.config.max_tokens
+        return self.config.max_tokens - len(self.prefix)
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Texts -> ids (no specials)."""
@@ -120,11 +126,11 @@ class Translator:
 
     def decode_stream(self, batch: Sequence[Sequence[int]], options: DecodingOptions) -> Iterator[Finished]:
         """Decode one batch; each sentence (its index in ``batch``) as soon as it is done."""
-        return decode_stream(self.model, source_batch(self.model, batch), options)
+        return decode_stream(self.model, source_batch(self.model, batch, self.prefix), options)
 
     def open_session(self, options: DecodingOptions) -> IdsSession:
         """A running batch that sentences can join between steps (continuous batching)."""
-        return IdsSession(self.model, options)
+        return IdsSession(self.model, options, self.prefix)
 
     def to_translation(self, src_ids: Sequence[int], hyps: Sequence[Hypothesis]) -> Translation:
         texts = self.tokenizer.decode([h.ids for h in hyps])
@@ -156,9 +162,10 @@ class Translator:
 
     @torch.inference_mode()
     def attention(self, src_ids: Sequence[int], hyp_ids: Sequence[int]) -> AttentionResult:
-        """Exact attention maps for a returned hypothesis (one teacher-forced pass)."""
-        cfg = self.config
-        src = torch.tensor([[*src_ids, cfg.eos_id]], device=self.device)
+        """Exact attention maps for a returned hypothesis (one teacher-forced pass). With a
+        prefix, its positions are left out of the maps (the source is the text's pieces)."""
+        cfg, n = self.config, len(self.prefix)
+        src = torch.tensor([[*self.prefix, *src_ids, cfg.eos_id]], device=self.device)
         tgt_in = torch.tensor([[cfg.bos_id, *hyp_ids]], device=self.device)
         _, maps = self.model.attention_maps(src, tgt_in)
         pieces = self.tokenizer.pieces
@@ -166,7 +173,9 @@ class Translator:
             source=(*pieces(src_ids), "</s>"),
             target=(*pieces(hyp_ids), "</s>"),
             target_input=("<s>", *pieces(hyp_ids)),
-            **{name: _first(getattr(maps, name)) for name in ("encoder", "decoder", "cross")},
+            encoder=_first(maps.encoder)[:, :, n:, n:],
+            decoder=_first(maps.decoder),
+            cross=_first(maps.cross)[..., n:],
         )
 
 

@@ -52,6 +52,31 @@ def test_fp16_storage_halves_the_file(tmp_path: Path, tiny_weights_dir: Path) ->
     assert checkpoint.load(tmp_path / "h").model.src_embed.tokens.weight.dtype == torch.float32
 
 
+def test_large_weights_are_written_in_shards_under_the_limit(
+    tmp_path: Path, tiny_weights_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = checkpoint.load(tiny_weights_dir / "de-en")
+    whole = (tiny_weights_dir / "de-en" / checkpoint.WEIGHTS).stat().st_size
+    monkeypatch.setattr(checkpoint, "SHARD_BYTES", whole // 3)
+    folder = checkpoint.save(tmp_path / "s", ckpt.model, ckpt.tokenizer, ckpt.meta)
+    shards = checkpoint.weight_files(folder)
+    assert len(shards) >= 3 and not (folder / checkpoint.WEIGHTS).exists()
+    assert [p.name for p in shards] == [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, 1 + len(shards))
+    ]
+    biggest = max(t.numel() * t.element_size() for t in checkpoint.unique_state(ckpt.model).values())
+    assert all(p.stat().st_size <= max(whole // 3, biggest) + 4096 for p in shards)  # (+ the header)
+    loaded = checkpoint.load(folder)
+    for name, tensor in checkpoint.unique_state(ckpt.model).items():
+        torch.testing.assert_close(checkpoint.unique_state(loaded.model)[name], tensor, atol=0, rtol=0)
+    (shards[1]).unlink()  # a missing shard: the names no longer match
+    with pytest.raises(CheckpointError, match="missing"):
+        checkpoint.load(folder)
+    monkeypatch.setattr(checkpoint, "SHARD_BYTES", 15 * 2**20)  # saved again in one file: the shards go
+    checkpoint.save(folder, ckpt.model, ckpt.tokenizer, ckpt.meta)
+    assert checkpoint.weight_files(folder) == [folder / checkpoint.WEIGHTS]
+
+
 @pytest.mark.parametrize(
     ("breakage", "message"),
     [

@@ -15,14 +15,24 @@ from tests.helpers import ROOT
 
 # Lowercased BLEU of each shipped model on the first 100 sentences of test_2016 (greedy, then beam 5
 # at the model card's length penalty), measured when it was shipped; a drop of 2.5 points fails.
-# Full-test scores: weights/<direction>/metrics.json and README.md.
+# Keyed by weights folder and direction: every per-direction model, and the many-to-many model in each
+# direction it serves (where its val score beats the per-direction model's: app.service.assign_directions).
+# Full-test scores: weights/<folder>/metrics.json and README.md.
 FIRST_100 = {
-    "de-en": (39.52, 39.92),
-    "en-de": (37.78, 39.25),
-    "fr-en": (53.27, 53.61),
-    "en-fr": (59.83, 60.11),
-    "cs-en": (38.36, 40.13),
-    "en-cs": (32.99, 33.53),
+    ("de-en", "de-en"): (39.52, 39.92),
+    ("en-de", "en-de"): (37.78, 39.25),
+    ("fr-en", "fr-en"): (53.27, 53.61),
+    ("en-fr", "en-fr"): (59.83, 60.11),
+    ("cs-en", "cs-en"): (38.36, 40.13),
+    ("en-cs", "en-cs"): (32.99, 33.53),
+    ("many-to-many", "cs-en"): (41.20, 40.92),
+    ("many-to-many", "en-cs"): (33.22, 33.66),
+    ("many-to-many", "de-fr"): (43.56, 44.73),
+    ("many-to-many", "fr-de"): (35.60, 37.00),
+    ("many-to-many", "de-cs"): (28.36, 30.06),
+    ("many-to-many", "cs-de"): (32.39, 32.61),
+    ("many-to-many", "fr-cs"): (29.23, 29.47),
+    ("many-to-many", "cs-fr"): (41.77, 42.55),
 }
 ALLOWED_DROP = 2.5
 
@@ -41,18 +51,22 @@ def test_scores_are_sacrebleu_corpus_scores() -> None:
         score_translations(refs[:1], refs)
 
 
-def test_every_shipped_direction_has_a_floor() -> None:
-    shipped = {p.name for p in (ROOT / "weights").iterdir() if (p / "config.json").is_file()}
-    assert shipped == set(FIRST_100)
+def test_every_served_direction_has_a_floor() -> None:
+    from app.service import assign_directions, discover
+
+    paths = discover(ROOT / "weights")
+    served = {(path.name, f"{s}-{t}") for path, pairs in assign_directions(paths).items() for s, t in pairs or []}
+    single = {(path.name, path.name) for path in paths if path.name != "many-to-many"}
+    assert served | single == set(FIRST_100)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("beam", [1, 5])
-@pytest.mark.parametrize("direction", sorted(FIRST_100))
-def test_shipped_weights_score_above_the_floor(direction: str, data_dir: Path, beam: int) -> None:
+@pytest.mark.parametrize(("folder", "direction"), sorted(FIRST_100))
+def test_shipped_weights_score_above_the_floor(folder: str, direction: str, data_dir: Path, beam: int) -> None:
     source, target = direction.split("-")
-    cmd = [sys.executable, "-m", "model.evaluate", "--weights", str(ROOT / "weights" / direction), "--limit", "100"]
-    cmd += ["--src", str(data_dir / f"test_2016_flickr.{source}.gz")]
+    cmd = [sys.executable, "-m", "model.evaluate", "--weights", str(ROOT / "weights" / folder), "--limit", "100"]
+    cmd += ["--direction", direction, "--src", str(data_dir / f"test_2016_flickr.{source}.gz")]
     cmd += ["--ref", str(data_dir / f"test_2016_flickr.{target}.gz")]
     cmd += ["--beam-size", str(beam), "--threads", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
@@ -62,7 +76,7 @@ def test_shipped_weights_score_above_the_floor(direction: str, data_dir: Path, b
     result = json.loads(lines[0])
     assert set(result) >= {"bleu", "bleu_lc", "chrf", "sentences", "seconds"}
     assert result["sentences"] == 100 and result["seconds"] > 0
-    assert result["bleu_lc"] >= FIRST_100[direction][beam > 1] - ALLOWED_DROP, result
+    assert result["bleu_lc"] >= FIRST_100[folder, direction][beam > 1] - ALLOWED_DROP, result
     assert result["bleu"] <= result["bleu_lc"] and result["chrf"] > 40
 
 
@@ -84,3 +98,30 @@ def test_int8_scores_within_0_3_bleu_of_float32(shipped: Path, data_dir: Path) -
     assert scores["int8"]["kernel"] == "fbgemm-int8" and scores["float32"]["kernel"] in ("onednn", "aten")
     assert abs(scores["int8"]["bleu"] - scores["float32"]["bleu"]) <= 0.3, scores
     assert scores["int8"]["sentences"] == 1000
+
+
+@pytest.mark.slow
+def test_then_scores_a_pivot_through_the_first_checkpoints_output(data_dir: Path) -> None:
+    """--then: de-en's output is en-fr's input; the score is that of chaining the two translators,
+    each with its own card's settings, against the French references."""
+    from model import checkpoint
+    from model.data import read_lines
+    from model.evaluate import translate_all
+    from model.translator import Translator
+
+    cmd = [sys.executable, "-m", "model.evaluate", "--weights", str(ROOT / "weights/de-en")]
+    cmd += ["--then", str(ROOT / "weights/en-fr"), "--split", "test_2016_flickr", "--data-dir", str(data_dir)]
+    cmd += ["--limit", "20", "--beam-size", "1", "--threads", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    text = read_lines(data_dir / "test_2016_flickr.de.gz")[:20]
+    for direction in ("de-en", "en-fr"):
+        ckpt = checkpoint.load(ROOT / "weights" / direction)
+        text = translate_all(Translator(ckpt.model, ckpt.tokenizer), text, checkpoint.decoding_options(ckpt.meta, 1))
+    expected = score_translations(text, read_lines(data_dir / "test_2016_flickr.fr.gz")[:20])
+    assert result["sentences"] == 20 and result["bleu"] == expected["bleu"] > 20
+    # legs that do not meet (de-en, then fr-en) are refused, naming both languages
+    cmd[cmd.index("--then") + 1] = str(ROOT / "weights/fr-en")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2 and "from fr" in proc.stderr and "into en" in proc.stderr
