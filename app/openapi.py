@@ -59,16 +59,20 @@ def model_facts(weights_dir: Path, languages: Sequence[str] = ()) -> ModelFacts 
     try:
         metas = [checkpoint.read_meta(p) for p in discover(weights_dir, languages)]
         configs = [checkpoint.model_config(m, weights_dir) for m in metas]
-    except (RuntimeError, checkpoint.CheckpointError) as err:
+    except (RuntimeError, checkpoint.CheckpointError, KeyError) as err:
         log.warning("OpenAPI schema without model limits: %s", err)
         return None
     return ModelFacts(
-        sources=tuple(sorted({str(m["source_lang"]) for m in metas})),
-        targets=tuple(sorted({str(m["target_lang"]) for m in metas})),
+        sources=tuple(sorted({s for m in metas for s, t in checkpoint.directions(m) if _within(languages, s, t)})),
+        targets=tuple(sorted({t for m in metas for s, t in checkpoint.directions(m) if _within(languages, s, t)})),
         max_length=min(c.max_tokens for c in configs),
         layers=min(min(c.encoder_layers, c.decoder_layers) for c in configs),
         heads=min(c.n_heads for c in configs),
     )
+
+
+def _within(languages: Sequence[str], *pair: str) -> bool:
+    return not languages or set(pair) <= set(languages)
 
 
 class Stated:

@@ -1,10 +1,12 @@
-"""One translation direction as the service sees it: model, scheduler, cache, text handling."""
+"""The models as the service sees them: a loaded checkpoint and its scheduler (``LoadedModel``),
+and each direction it serves (``TranslationService``: text handling, limits, cache)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -26,6 +28,7 @@ from model.attention_words import merge_pieces, word_alignment
 from model.decoding import DecodingOptions, Hypothesis
 from model.kernels import KernelPlan
 from model.precision import resolve_precision
+from model.tokenizer import target_prefix
 from model.translator import AttentionResult, Translator
 
 log = logging.getLogger(__name__)
@@ -112,42 +115,74 @@ def kernel_plan(settings: Settings) -> KernelPlan:
     return kernels.choose(device, resolve_precision(settings.dtype, device.type))
 
 
-class TranslationService:
-    """A loaded checkpoint of one direction with its batching scheduler and LRU cache."""
+class LoadedModel:
+    """A checkpoint loaded once, with the batching scheduler (one model thread) that all the
+    directions it serves share: a many-to-many model's sentences of different directions
+    decode in the same batches (each source led by its target's tag). The scheduler's metrics
+    are labelled with the direction, or the folder's name for a many-to-many model."""
 
     def __init__(self, path: Path, settings: Settings, metrics: Metrics) -> None:
         self.device = resolve_device(settings.device)
         self.precision = resolve_precision(settings.dtype, self.device.type)
-        ckpt = checkpoint.load(path, self.device, self.precision)
-        self.plan = ckpt.plan
-        self.meta, self.path = ckpt.meta, path
-        self.source, self.target = str(ckpt.meta["source_lang"]), str(ckpt.meta["target_lang"])
-        self.direction = f"{self.source}-{self.target}"
-        self.translator = Translator(ckpt.model, ckpt.tokenizer)
-        self.settings, self.metrics = settings, metrics
+        self.ckpt = checkpoint.load(path, self.device, self.precision)
+        self.path, self.meta, self.plan = path, self.ckpt.meta, self.ckpt.plan
+        self.directions = checkpoint.directions(self.meta)
+        self.tagged = bool(self.meta.get("target_tags"))
+        self.label = path.name if self.tagged else f"{self.directions[0][0]}-{self.directions[0][1]}"
+        self.translator = Translator(self.ckpt.model, self.ckpt.tokenizer)  # sources come with their tags
         limits = BatchLimits(
             settings.max_batch_sentences, settings.max_batch_tokens, settings.max_wait_ms / 1000, settings.queue_size
         )
         self.scheduler = BatchScheduler(
-            self.translator.open_session, limits, metrics, self.direction, on_idle=release_free_memory
+            self.translator.open_session, limits, metrics, self.label, on_idle=release_free_memory
         )
-        self._cache: OrderedDict[tuple[str, str, DecodingOptions], list[Hypothesis]] = OrderedDict()
-        self.quality = _read_metrics(path)
+        self.metrics = metrics
+
+    def prefix(self, target: str) -> tuple[int, ...]:
+        """What leads every source translated into ``target`` (a tag, or nothing)."""
+        return target_prefix(self.ckpt.tokenizer, target) if self.tagged else ()
 
     def start(self) -> None:
         self.scheduler.start(warm_up=self.warm_up)
         for family in (self.metrics.decode_steps, self.metrics.source_tokens, self.metrics.target_tokens):
-            family.labels(self.direction)  # the series exist (at 0) before the first request
-        self.metrics.model_info.labels(self.direction, self.device.type, self.precision).set(1)
+            family.labels(self.label)  # the series exist (at 0) before the first request
 
     def warm_up(self) -> None:
         """Run greedy and beam decoding once so the first request pays no one-time costs."""
-        ids = self.translator.encode(["Ein Mann fährt mit dem Fahrrad.", "Zwei Hunde spielen im Schnee."])
+        target = self.directions[0][1]
+        translator = Translator(self.ckpt.model, self.ckpt.tokenizer, self.prefix(target))
+        ids = translator.encode(["Ein Mann fährt mit dem Fahrrad.", "Zwei Hunde spielen im Schnee."])
         for beam in (1, 4):
-            self.translator.decode_batch(ids, DecodingOptions(beam_size=beam))
+            translator.decode_batch(ids, DecodingOptions(beam_size=beam))
 
     def close(self, timeout: float | None = None) -> None:
         self.scheduler.close(timeout)
+
+
+class TranslationService:
+    """One direction of a loaded model: its text handling, limits and LRU cache; the model's
+    scheduler is shared with the model's other directions (``LoadedModel``)."""
+
+    def __init__(self, loaded: LoadedModel, source: str, target: str, settings: Settings) -> None:
+        self.loaded = loaded
+        self.device, self.precision, self.plan = loaded.device, loaded.precision, loaded.plan
+        self.meta, self.path = loaded.meta, loaded.path
+        self.source, self.target = source, target
+        self.direction = f"{source}-{target}"
+        self.prefix = loaded.prefix(target)
+        self.translator = Translator(loaded.ckpt.model, loaded.ckpt.tokenizer, self.prefix)
+        self.settings, self.metrics = settings, loaded.metrics
+        self.scheduler = loaded.scheduler
+        self._cache: OrderedDict[tuple[str, str, DecodingOptions], list[Hypothesis]] = OrderedDict()
+        quality = _read_metrics(loaded.path)
+        self.quality = quality.get(self.direction, {}) if loaded.tagged else quality
+
+    def start(self) -> None:
+        """The model's scheduler runs (``LoadedModel.start``); this direction is announced."""
+        self.metrics.model_info.labels(self.direction, self.device.type, self.precision).set(1)
+
+    def _submit(self, sentences: Sequence[Sequence[int]], options: DecodingOptions) -> list[Job]:
+        return self.scheduler.submit([[*self.prefix, *ids] for ids in sentences], options)
 
     # --- translation ----------------------------------------------------------------------
     def decoding_options(self, beam_size: int | None, n_best: int, max_length: int | None) -> DecodingOptions:
@@ -179,7 +214,7 @@ class TranslationService:
         for sent in sents:
             sent.hypotheses = self._cache_get(sent.source, options)
         missing = [sent for sent in sents if sent.hypotheses is None]
-        jobs = self.scheduler.submit([sent.ids for sent in missing], options) if missing else []
+        jobs = self._submit([sent.ids for sent in missing], options) if missing else []
         for sent, job in zip(missing, jobs, strict=True):
             sent.job = job
         await self.wait(jobs, timeout)
@@ -250,7 +285,7 @@ class TranslationService:
         if len(src_ids) > limit:
             raise TextTooLong(len(src_ids), limit)
         deadline = time.perf_counter() + timeout
-        jobs = self.scheduler.submit([src_ids], options)
+        jobs = self._submit([src_ids], options)
         await self.wait(jobs, timeout)
         record_sentence_phases(jobs)
         hyp = jobs[0].future.result()[0]
@@ -336,33 +371,68 @@ def _read_metrics(path: Path) -> dict[str, Any]:
 
 def discover(weights_dir: Path, languages: Sequence[str] = ()) -> list[Path]:
     """Every checkpoint folder (one holding config.json) directly under ``weights_dir``; with
-    ``languages``, only those whose source and target languages are both among them."""
+    ``languages``, only those with a direction between two of them."""
     if not weights_dir.is_dir():
         raise RuntimeError(f"weights folder {weights_dir} not found")
     found = sorted(p for p in weights_dir.iterdir() if (p / checkpoint.CONFIG).is_file())
     if not found:
         raise RuntimeError(f"no checkpoint folders (with {checkpoint.CONFIG}) in {weights_dir}")
-    metas: dict[Path, dict[str, Any]] = {}
-    for p in found:
-        try:
-            metas[p] = checkpoint.read_meta(p)
-        except checkpoint.CheckpointError:
-            continue  # loading it fails later, in the background: the server runs, unhealthy, pathless
-        if "directions" in metas[p]:
-            raise RuntimeError(
-                f"{p}: a many-to-many checkpoint ({', '.join(metas[p]['directions'])}), which this version "
-                f"does not serve; move it out of {weights_dir}"
-            )
     if languages:
         # (a checkpoint whose config cannot be read stays: its load fails later, as without the setting)
-        found = [
-            p
-            for p in found
-            if p not in metas or {metas[p].get("source_lang"), metas[p].get("target_lang")} <= set(languages)
-        ]
+        found = [p for p in found if (pairs := _served(p)) is None or any(set(d) <= set(languages) for d in pairs)]
         if not found:
             raise RuntimeError(
                 f"TRANSLATOR_LOAD_ONLY={','.join(languages)}: no checkpoint in {weights_dir} translates between these "
                 "languages"
             )
     return found
+
+
+def _served(path: Path) -> list[tuple[str, str]] | None:
+    """A checkpoint's directions, or None when its config cannot be read (its load fails later,
+    in the background: the server runs, unhealthy, without naming paths)."""
+    try:
+        return checkpoint.directions(checkpoint.read_meta(path))
+    except (checkpoint.CheckpointError, KeyError, IndexError, TypeError):
+        return None
+
+
+def assign_directions(paths: Sequence[Path], languages: Sequence[str] = ()) -> dict[Path, list[tuple[str, str]] | None]:
+    """Which checkpoint serves each direction, when more than one could: the one with the
+    higher validation BLEU in its metrics.json (a many-to-many model scores each direction), a
+    single-direction model on a tie or without scores. -> the checkpoints to load, each with
+    the directions it serves (None: unreadable, loaded to fail). With ``languages``, only
+    directions between two of them."""
+    chosen: dict[tuple[str, str], tuple[float, int, Path]] = {}
+    plan: dict[Path, list[tuple[str, str]] | None] = {}
+    for path in paths:
+        pairs = _served(path)
+        if pairs is None:
+            plan[path] = None
+            continue
+        quality = _read_metrics(path)
+        for pair in pairs:
+            if languages and not set(pair) <= set(languages):
+                continue
+            scores = quality.get(f"{pair[0]}-{pair[1]}", {}) if len(pairs) > 1 else quality
+            rank = (_val_bleu(scores), -len(pairs), path)
+            if pair not in chosen or rank[:2] > chosen[pair][:2]:
+                chosen[pair] = rank
+    for pair, (_, _, path) in sorted(chosen.items()):
+        plan.setdefault(path, [])
+        assigned = plan[path]
+        assert assigned is not None
+        assigned.append(pair)
+    return dict(sorted(plan.items()))
+
+
+def _val_bleu(scores: dict[str, Any]) -> float:
+    """Beam-search BLEU on val from a metrics.json section (greedy when no beam): -inf if none."""
+    val = scores.get("val")
+    if not isinstance(val, dict):
+        return -math.inf
+    beams = [k for k in val if k.startswith("beam")] or [k for k in val if k == "greedy"]
+    try:
+        return float(val[beams[0]]["bleu"]) if beams else -math.inf
+    except (KeyError, TypeError, ValueError):
+        return -math.inf

@@ -15,7 +15,7 @@ from app.errors import BAD_REQUEST, UNSUPPORTED_LANGUAGE, ApiError
 from app.files import file_store
 from app.metrics import Metrics
 from app.ratelimit import RateLimiter
-from app.service import TranslationService, discover, kernel_plan
+from app.service import LoadedModel, TranslationService, assign_directions, discover, kernel_plan
 from app.settings import Settings
 from app.suggestions import SuggestionStore
 from model.allocator import bound_onednn_cache, tune_malloc
@@ -35,7 +35,8 @@ class AppState:
         self.settings = settings
         self.metrics = Metrics()
         self.rate_limiter = RateLimiter.from_settings(settings, self.metrics)
-        self.services: dict[tuple[str, str], TranslationService] = {}
+        self.models: list[LoadedModel] = []  # each checkpoint loaded once, with its scheduler
+        self.services: dict[tuple[str, str], TranslationService] = {}  # per direction served
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.draining = False
@@ -62,11 +63,16 @@ class AppState:
                 torch.set_num_threads(self.settings.threads)
             tune_malloc()
             bound_onednn_cache()
-            for path in discover(self.settings.weights_dir, self.settings.load_only):
-                service = TranslationService(path, self.settings, self.metrics)
-                service.start()
-                self.services[(service.source, service.target)] = service
-                log.info("serving %s from %s: %s", service.direction, path, service.plan.describe())
+            paths = discover(self.settings.weights_dir, self.settings.load_only)
+            for path, pairs in assign_directions(paths, self.settings.load_only).items():
+                loaded = LoadedModel(path, self.settings, self.metrics)
+                self.models.append(loaded)
+                loaded.start()
+                for source, target in loaded.directions if pairs is None else pairs:
+                    service = TranslationService(loaded, source, target, self.settings)
+                    service.start()
+                    self.services[(source, target)] = service
+                    log.info("serving %s from %s: %s", service.direction, path, loaded.plan.describe())
             self.detector = Detector([source for source, _ in self.services])
             self.ready.set()
         except Exception as err:
@@ -103,8 +109,8 @@ class AppState:
     def close(self) -> None:
         """Finish what is queued (bounded by the drain timeout), then stop the workers."""
         self.draining = True
-        for service in self.services.values():
-            service.close(self.settings.drain_timeout_s)
+        for loaded in self.models:
+            loaded.close(self.settings.drain_timeout_s)
 
     def service(self, source: str, target: str) -> TranslationService:
         """The service of a language pair: 503 while loading, 400 for an unknown pair."""

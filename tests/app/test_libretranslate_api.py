@@ -19,7 +19,6 @@ import torch
 from fastapi.testclient import TestClient
 
 from app.settings import Settings
-from app.state import AppState
 from app.suggestions import SuggestionStore
 from model import checkpoint
 from model.data import read_parallel
@@ -174,13 +173,69 @@ def test_load_only_serves_the_directions_among_its_languages(pivot_weights: Path
                      "unsupported_language_pair")  # fmt: skip
 
 
-def test_a_many_to_many_checkpoint_is_refused_at_start_up(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
-    model = Transformer(tiny_config(tiny_tokenizer.vocab_size))
-    meta = {"directions": ["de-en", "en-de"], "target_tags": True, "decoding": {"beam_size": 2}}
-    checkpoint.save(tmp_path / "m2m", model, tiny_tokenizer, meta)
-    state = AppState(Settings(weights_dir=tmp_path))
-    with pytest.raises(RuntimeError, match="many-to-many checkpoint \\(de-en, en-de\\)"):
-        state.check()
+def fake_checkpoint(folder: Path, meta: dict[str, Any], val_bleu: dict[str, float] | float | None) -> Path:
+    """config.json (and metrics.json) only: what choosing a checkpoint per direction reads."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model": {}, **meta}))
+    if isinstance(val_bleu, float):
+        (folder / "metrics.json").write_text(json.dumps({"val": {"beam5": {"bleu": val_bleu}}}))
+    elif val_bleu is not None:
+        scores = {d: {"val": {"beam5": {"bleu": b}}} for d, b in val_bleu.items()}
+        (folder / "metrics.json").write_text(json.dumps(scores))
+    return folder
+
+
+def test_each_direction_is_served_by_the_checkpoint_with_the_better_val_score(tmp_path: Path) -> None:
+    from app.service import assign_directions
+
+    many = {"directions": ["de-en", "de-fr", "en-fr"], "target_tags": True}
+    m2m = fake_checkpoint(tmp_path / "many", many, {"de-en": 42.0, "de-fr": 30.0, "en-fr": 50.0})
+    de_en = fake_checkpoint(tmp_path / "de-en", {"source_lang": "de", "target_lang": "en"}, 43.0)
+    en_fr = fake_checkpoint(tmp_path / "en-fr", {"source_lang": "en", "target_lang": "fr"}, 50.0)  # a tie
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{")
+    plan = assign_directions([broken, de_en, en_fr, m2m])
+    assert plan == {broken: None, de_en: [("de", "en")], en_fr: [("en", "fr")], m2m: [("de", "fr")]}
+    worse = fake_checkpoint(tmp_path / "w" / "de-en", {"source_lang": "de", "target_lang": "en"}, 41.0)
+    assert assign_directions([worse, m2m]) == {m2m: [("de", "en"), ("de", "fr"), ("en", "fr")]}
+    unscored = fake_checkpoint(tmp_path / "u" / "de-en", {"source_lang": "de", "target_lang": "en"}, None)
+    assert assign_directions([unscored, m2m]) == {m2m: [("de", "en"), ("de", "fr"), ("en", "fr")]}  # unknown loses
+    assert assign_directions([de_en, m2m], ["de", "fr"]) == {m2m: [("de", "fr")]}  # TRANSLATOR_LOAD_ONLY
+    assert assign_directions([de_en, m2m], ["de", "en"]) == {de_en: [("de", "en")]}
+
+
+def test_a_many_to_many_model_serves_its_directions_from_one_loaded_model(tmp_path: Path) -> None:
+    """The shipped many-to-many checkpoint alone: every direction it lists is served, each
+    source led by its target's tag (the same translation as the model outside the service),
+    all through one model and one batching thread."""
+    from model.decoding import DecodingOptions
+    from model.tokenizer import target_prefix
+    from model.translator import Translator
+
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "many-to-many").symlink_to(ROOT / "weights" / "many-to-many")
+    ckpt = checkpoint.load(weights / "many-to-many")
+    texts = ["Ein Hund läuft über die Wiese.", "Zwei Kinder spielen im Park."]
+    for client in start(Settings(weights_dir=weights)):
+        languages = {lang["code"]: lang["targets"] for lang in client.get("/languages").json()}
+        assert languages == {"cs": ["de", "en", "fr"], "de": ["cs", "en", "fr"], "en": ["cs", "de", "fr"],
+                             "fr": ["cs", "de", "en"]}  # fmt: skip
+        for target in ("fr", "en", "cs"):
+            body = {"q": texts, "source": "de", "target": target, "beam_size": 2, "details": True}
+            answer = client.post("/translate", json=body).json()
+            direct = Translator(ckpt.model, ckpt.tokenizer, target_prefix(ckpt.tokenizer, target))
+            expected = [t.text for t in direct.translate(texts, DecodingOptions(beam_size=2, length_penalty=1.4))]
+            assert answer["translatedText"] == expected
+            assert [d["models"] for d in answer["details"]] == [[f"de-{target}"]] * 2
+        info = client.get("/info").json()["directions"]
+        assert len(info) == 12 and {d["parameters"] for d in info} == {ckpt.model.num_parameters()}
+        metrics = client.get("/metrics").text
+        assert 'translator_decode_steps_total{direction="many-to-many"}' in metrics  # one model thread
+        assert 'translator_model_info{device="cpu",direction="de-fr",dtype="float32"} 1.0' in metrics
+        attention = client.post("/attention", json={"q": texts[0], "source": "de", "target": "fr"}).json()
+        assert attention["source_tokens"][0] == "▁Ein"  # the tag is not shown as the text's
 
 
 def test_a_pair_without_a_model_is_translated_through_english(pivot_weights: Path) -> None:
