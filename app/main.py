@@ -37,7 +37,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     loader = threading.Thread(target=state.load, name="loader", daemon=True)
     loader.start()
     yield
-    state.draining = True
+    state.start_draining()
     await asyncio.to_thread(loader.join)
     await asyncio.to_thread(state.close)
     log.info("stopped")

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import threading
+import time
 from types import FrameType
 
 import torch
 
+from app import timing
 from app.detection import Detection, Detector, NotServed
 from app.errors import BAD_REQUEST, UNSUPPORTED_LANGUAGE, ApiError
 from app.files import file_store
@@ -40,6 +43,7 @@ class AppState:
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.draining = False
+        self.drain_started = math.inf  # perf_counter() when draining began: requests that arrived before are served
         self.requests: set[asyncio.Task[object]] = set()  # requests waiting on the model (routes add them)
         self.detector: Detector | None = None  # built with the models, for the languages they take
         self.suggestions = SuggestionStore(settings.data_dir) if settings.suggestions else None
@@ -91,7 +95,7 @@ class AppState:
 
             def on_signal(number: int, frame: FrameType | None, previous: object = previous) -> None:
                 if not self.draining:
-                    self.draining = True
+                    self.start_draining()
                     log.info("draining: up to %g s for accepted requests", self.settings.drain_timeout_s)
                     loop.call_soon_threadsafe(loop.call_later, self.settings.drain_timeout_s, self.cut_off)
                 if callable(previous):
@@ -108,7 +112,7 @@ class AppState:
 
     def close(self) -> None:
         """Finish what is queued (bounded by the drain timeout), then stop the workers."""
-        self.draining = True
+        self.start_draining()
         for loaded in self.models:
             loaded.close(self.settings.drain_timeout_s)
 
@@ -158,8 +162,17 @@ class AppState:
         assert self.detector is not None
         return self.detector.candidates(text)
 
+    def start_draining(self) -> None:
+        """Become not-ready: requests that arrive from now on get 503; those already received
+        (even if not yet routed) are still served, within the drain timeout."""
+        if not self.draining:
+            self.drain_started = time.perf_counter()
+            self.draining = True
+
     def require_ready(self) -> None:
-        if self.draining:
+        request = timing.current()  # (None outside a request: counts as arriving now)
+        arrived = request.start if request is not None else time.perf_counter()
+        if self.draining and arrived >= self.drain_started:
             raise ApiError(503, "shutting_down", "the service is shutting down", {"Retry-After": "1"})
         if not self.ready.is_set():
             message = "models failed to load (see the server log)" if self.load_error else "models are loading"

@@ -327,3 +327,25 @@ def test_what_the_service_refuses_gets_its_status_in_one_place(
     assert (answer.headers or {}).get("Retry-After") == retry_after
     if isinstance(refused, TranslationError | TooLarge | RateLimited):
         assert answer.message == str(refused)
+
+
+def test_draining_refuses_requests_that_arrive_after_it_began_not_those_before(tmp_path: Path) -> None:
+    """A request received before SIGTERM but not yet routed (its body still being read, say) is
+    served within the drain timeout; one that arrives after gets 503 shutting_down."""
+    from app import timing
+    from app.errors import ApiError
+    from app.state import AppState
+
+    state = AppState(Settings(weights_dir=tmp_path))
+    state.ready.set()
+    _, before = timing.begin()  # received now
+    state.start_draining()
+    state.require_ready()  # not refused
+    timing.end(before)
+    _, after = timing.begin()  # received after draining began
+    with pytest.raises(ApiError) as refused:
+        state.require_ready()
+    timing.end(after)
+    assert refused.value.status == 503 and refused.value.error_type == "shutting_down"
+    with pytest.raises(ApiError):  # outside any request: counts as arriving now
+        state.require_ready()
