@@ -28,7 +28,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="TRANSLATOR_", frozen=True)
 
-    weights_dir: Path = Field(Path("weights"), description="folder with one checkpoint folder per direction")
+    weights_dir: Path = Field(Path("weights"), description="folder with one checkpoint folder per model")
     load_only: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="comma-separated language codes (LibreTranslate's --load-only): load only the checkpoints "
