@@ -54,25 +54,22 @@ class ModelFacts:
 def model_facts(weights_dir: Path, languages: Sequence[str] = ()) -> ModelFacts | None:
     """Read the config.json of every checkpoint served (``languages``: the load_only setting);
     None when there is none (the schema then states the settings' limits only)."""
-    from app.service import discover  # (app.service imports torch: only when a schema is built)
+    from app.service import assign_directions, discover  # (app.service imports torch: only for a schema)
 
     try:
-        metas = [checkpoint.read_meta(p) for p in discover(weights_dir, languages)]
-        configs = [checkpoint.model_config(m, weights_dir) for m in metas]
-    except (RuntimeError, checkpoint.CheckpointError, KeyError) as err:
+        plan = assign_directions(discover(weights_dir, languages), languages)  # the checkpoints served
+        configs = [checkpoint.model_config(checkpoint.read_meta(p), weights_dir) for p in plan]
+    except (RuntimeError, checkpoint.CheckpointError) as err:
         log.warning("OpenAPI schema without model limits: %s", err)
         return None
+    pairs = [pair for served in plan.values() for pair in served or []]
     return ModelFacts(
-        sources=tuple(sorted({s for m in metas for s, t in checkpoint.directions(m) if _within(languages, s, t)})),
-        targets=tuple(sorted({t for m in metas for s, t in checkpoint.directions(m) if _within(languages, s, t)})),
+        sources=tuple(sorted({s for s, _ in pairs})),
+        targets=tuple(sorted({t for _, t in pairs})),
         max_length=min(c.max_tokens for c in configs),
         layers=min(min(c.encoder_layers, c.decoder_layers) for c in configs),
         heads=min(c.n_heads for c in configs),
     )
-
-
-def _within(languages: Sequence[str], *pair: str) -> bool:
-    return not languages or set(pair) <= set(languages)
 
 
 class Stated:

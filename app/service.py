@@ -28,7 +28,6 @@ from model.attention_words import merge_pieces, word_alignment
 from model.decoding import DecodingOptions, Hypothesis
 from model.kernels import KernelPlan
 from model.precision import resolve_precision
-from model.tokenizer import target_prefix
 from model.translator import AttentionResult, Translator
 
 log = logging.getLogger(__name__)
@@ -129,6 +128,7 @@ class LoadedModel:
         self.directions = checkpoint.directions(self.meta)
         self.tagged = bool(self.meta.get("target_tags"))
         self.label = path.name if self.tagged else f"{self.directions[0][0]}-{self.directions[0][1]}"
+        self.quality = _read_metrics(path)  # metrics.json: per direction for a many-to-many model
         self.translator = Translator(self.ckpt.model, self.ckpt.tokenizer)  # sources come with their tags
         limits = BatchLimits(
             settings.max_batch_sentences, settings.max_batch_tokens, settings.max_wait_ms / 1000, settings.queue_size
@@ -138,10 +138,6 @@ class LoadedModel:
         )
         self.metrics = metrics
 
-    def prefix(self, target: str) -> tuple[int, ...]:
-        """What leads every source translated into ``target`` (a tag, or nothing)."""
-        return target_prefix(self.ckpt.tokenizer, target) if self.tagged else ()
-
     def start(self) -> None:
         self.scheduler.start(warm_up=self.warm_up)
         for family in (self.metrics.decode_steps, self.metrics.source_tokens, self.metrics.target_tokens):
@@ -150,7 +146,7 @@ class LoadedModel:
     def warm_up(self) -> None:
         """Run greedy and beam decoding once so the first request pays no one-time costs."""
         target = self.directions[0][1]
-        translator = Translator(self.ckpt.model, self.ckpt.tokenizer, self.prefix(target))
+        translator = Translator(self.ckpt.model, self.ckpt.tokenizer, self.ckpt.source_prefix(target))
         ids = translator.encode(["Ein Mann fährt mit dem Fahrrad.", "Zwei Hunde spielen im Schnee."])
         for beam in (1, 4):
             translator.decode_batch(ids, DecodingOptions(beam_size=beam))
@@ -169,13 +165,12 @@ class TranslationService:
         self.meta, self.path = loaded.meta, loaded.path
         self.source, self.target = source, target
         self.direction = f"{source}-{target}"
-        self.prefix = loaded.prefix(target)
+        self.prefix = loaded.ckpt.source_prefix(target)
         self.translator = Translator(loaded.ckpt.model, loaded.ckpt.tokenizer, self.prefix)
         self.settings, self.metrics = settings, loaded.metrics
         self.scheduler = loaded.scheduler
         self._cache: OrderedDict[tuple[str, str, DecodingOptions], list[Hypothesis]] = OrderedDict()
-        quality = _read_metrics(loaded.path)
-        self.quality = quality.get(self.direction, {}) if loaded.tagged else quality
+        self.quality = loaded.quality.get(self.direction, {}) if loaded.tagged else loaded.quality
 
     def start(self) -> None:
         """The model's scheduler runs (``LoadedModel.start``); this direction is announced."""
@@ -379,13 +374,19 @@ def discover(weights_dir: Path, languages: Sequence[str] = ()) -> list[Path]:
         raise RuntimeError(f"no checkpoint folders (with {checkpoint.CONFIG}) in {weights_dir}")
     if languages:
         # (a checkpoint whose config cannot be read stays: its load fails later, as without the setting)
-        found = [p for p in found if (pairs := _served(p)) is None or any(set(d) <= set(languages) for d in pairs)]
+        found = [p for p in found if (pairs := _served(p)) is None or any(between(d, languages) for d in pairs)]
         if not found:
             raise RuntimeError(
                 f"TRANSLATOR_LOAD_ONLY={','.join(languages)}: no checkpoint in {weights_dir} translates between these "
                 "languages"
             )
     return found
+
+
+def between(pair: tuple[str, str], languages: Sequence[str]) -> bool:
+    """Whether ``pair`` is a direction between two of ``languages`` (all, when none are named:
+    the load_only setting)."""
+    return not languages or set(pair) <= set(languages)
 
 
 def _served(path: Path) -> list[tuple[str, str]] | None:
@@ -404,26 +405,22 @@ def assign_directions(paths: Sequence[Path], languages: Sequence[str] = ()) -> d
     the directions it serves (None: unreadable, loaded to fail). With ``languages``, only
     directions between two of them."""
     chosen: dict[tuple[str, str], tuple[float, int, Path]] = {}
-    plan: dict[Path, list[tuple[str, str]] | None] = {}
+    unreadable: dict[Path, list[tuple[str, str]] | None] = {}
     for path in paths:
         pairs = _served(path)
         if pairs is None:
-            plan[path] = None
+            unreadable[path] = None
             continue
         quality = _read_metrics(path)
-        for pair in pairs:
-            if languages and not set(pair) <= set(languages):
-                continue
+        for pair in (p for p in pairs if between(p, languages)):
             scores = quality.get(f"{pair[0]}-{pair[1]}", {}) if len(pairs) > 1 else quality
             rank = (_val_bleu(scores), -len(pairs), path)
             if pair not in chosen or rank[:2] > chosen[pair][:2]:
                 chosen[pair] = rank
+    assigned: dict[Path, list[tuple[str, str]]] = {}
     for pair, (_, _, path) in sorted(chosen.items()):
-        plan.setdefault(path, [])
-        assigned = plan[path]
-        assert assigned is not None
-        assigned.append(pair)
-    return dict(sorted(plan.items()))
+        assigned.setdefault(path, []).append(pair)
+    return dict(sorted({**unreadable, **assigned}.items()))
 
 
 def _val_bleu(scores: dict[str, Any]) -> float:

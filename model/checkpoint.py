@@ -20,7 +20,7 @@ from model import kernels
 from model.config import ModelConfig
 from model.decoding import DecodingOptions
 from model.kernels import KernelPlan
-from model.tokenizer import Tokenizer, TokenizerError
+from model.tokenizer import Tokenizer, TokenizerError, target_prefix
 from model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,11 @@ class Checkpoint:
     @property
     def config(self) -> ModelConfig:
         return self.model.config
+
+    def source_prefix(self, target: str) -> tuple[int, ...]:
+        """What leads every source translated into ``target``: a many-to-many model's target
+        tag (``target_prefix``), nothing for a one-direction model."""
+        return target_prefix(self.tokenizer, target) if self.meta.get("target_tags") else ()
 
 
 def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -118,7 +123,7 @@ def directions(meta: dict[str, Any]) -> list[tuple[str, str]]:
     """The (source, target) pairs a checkpoint translates: its one direction, or a
     many-to-many model's list (each source led by its target's tag, ``target_tag``)."""
     if "directions" in meta:
-        return [(d.split("-")[0], d.split("-")[1]) for d in meta["directions"]]
+        return [(source, target) for source, target in (d.split("-", 1) for d in meta["directions"])]
     return [(str(meta["source_lang"]), str(meta["target_lang"]))]
 
 

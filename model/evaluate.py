@@ -31,7 +31,6 @@ from model.data import read_lines, read_parallel, split_file
 from model.decoding import DecodingOptions
 from model.multi30k import default_dir, ensure_split_files
 from model.progress import progress
-from model.tokenizer import target_prefix
 from model.translator import Translator
 
 log = logging.getLogger(__name__)
@@ -91,20 +90,18 @@ def measure_checkpoint(
     splits: Sequence[str],
     device: str = "cpu",
     limit: int = 0,
-    source_prefix: str = "",
 ) -> dict[str, Any]:
     """Greedy and recommended-beam scores of a checkpoint on several splits (for metrics.json);
-    ``limit`` > 0 scores only the first sentences of each split (smoke runs); ``source_prefix``
-    leads every source sentence (a many-to-many model's target tag)."""
+    ``limit`` > 0 scores only the first sentences of each split (smoke runs); a many-to-many
+    model's sources are led by the target's tag (``Checkpoint.source_prefix``)."""
     ckpt = checkpoint.load(folder, device)
-    translator = Translator(ckpt.model, ckpt.tokenizer)
+    translator = Translator(ckpt.model, ckpt.tokenizer, ckpt.source_prefix(target))
     beam = checkpoint.decoding_options(ckpt.meta)
     out: dict[str, Any] = {}
     for split in splits:
         data = read_parallel(split_file(data_dir, split, source), split_file(data_dir, split, target)).head(limit)
-        src, ref = [source_prefix + x for x in data.src], data.tgt
         for name, options in (("greedy", checkpoint.decoding_options(ckpt.meta, 1)), (f"beam{beam.beam_size}", beam)):
-            result = evaluate(translator, src, ref, options)
+            result = evaluate(translator, data.src, data.tgt, options)
             keys = ("bleu", "bleu_lc", "chrf", "sentences", "signatures")
             out.setdefault(split, {})[name] = {k: result[k] for k in keys}
             log.info("%s %s: %s", split, name, out[split][name])
@@ -147,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     pair = served[0] if args.direction is None else tuple(args.direction.split("-", 1))
     if pair not in served:
         parser.error(f"--direction {args.direction}: {args.weights} translates {', '.join(args_of(served))}")
-    prefix = target_prefix(ckpt.tokenizer, pair[1]) if ckpt.meta.get("target_tags") else ()
+    prefix = ckpt.source_prefix(pair[1])
     then = checkpoint.load(args.then, args.device, args.dtype) if args.then else None
     if then is not None and then.meta.get("source_lang") != pair[1]:
         parser.error(f"--then translates from {then.meta.get('source_lang')}, --weights into {pair[1]}")

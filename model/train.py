@@ -349,9 +349,7 @@ def train(
     d, device = cfg.data, str(trainer.device)
     if trainer.many:  # per direction, each source led by its target's tag
         metrics = {
-            f"{s}-{t}": measure_checkpoint(
-                final, trainer.data_dir, s, t, [d.valid, d.test], device, d.eval_limit, f"{target_tag(t)} "
-            )
+            f"{s}-{t}": measure_checkpoint(final, trainer.data_dir, s, t, [d.valid, d.test], device, d.eval_limit)
             for s, t in trainer.pairs
         }
     else:
