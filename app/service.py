@@ -183,7 +183,7 @@ class TranslationService:
     def decoding_options(self, beam_size: int | None, n_best: int, max_length: int | None) -> DecodingOptions:
         """A request's options on top of this model card's decoding (``checkpoint.decoding_options``,
         as ``model.evaluate`` builds them); the server's limits are checked at the HTTP edge."""
-        return checkpoint.decoding_options(self.meta, beam_size, n_best, max_length)
+        return checkpoint.decoding_options(self.meta, beam_size, n_best, max_length, self.direction)
 
     def prepare(self, texts: Sequence[str]) -> tuple[list[list[Segment]], list[Sentence]]:
         """Segment and tokenize: each text's segments, and every sentence of every text in
@@ -337,7 +337,7 @@ class TranslationService:
             "kernel": self.plan.kernel,
             "cpu_isa": self.plan.isa if self.device.type == "cpu" else None,
             "max_source_tokens": self.translator.max_source_tokens,
-            "recommended_decoding": self.meta.get("decoding", {}),
+            "recommended_decoding": checkpoint.recommended_decoding(self.meta, self.direction),
             "quality": self.quality,
         }
 

@@ -141,14 +141,30 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def recommended_decoding(meta: dict[str, Any], direction: str | None = None) -> dict[str, Any]:
+    """The model card's recommended decoding (config.json "decoding") for one direction: a
+    many-to-many card's ``length_penalty_by_direction`` entry, where it has one, replaces the
+    length penalty."""
+    card = dict(meta.get("decoding", {}))
+    by_direction = card.pop("length_penalty_by_direction", None) or {}
+    if direction in by_direction:
+        card["length_penalty"] = float(by_direction[direction])
+    return card
+
+
 def decoding_options(
-    meta: dict[str, Any], beam_size: int | None = None, n_best: int = 1, max_length: int | None = None
+    meta: dict[str, Any],
+    beam_size: int | None = None,
+    n_best: int = 1,
+    max_length: int | None = None,
+    direction: str | None = None,
 ) -> DecodingOptions:
     """A request's options on top of the model card's recommended decoding (config.json
-    "decoding": beam, length penalty, length limits): the one place both the service and
-    ``model.evaluate`` build them. ``n_best`` hypotheses come from one beam, so a narrower beam
-    is widened to ``n_best``. Raises ``ValueError`` for options no search can run."""
-    card = dict(meta.get("decoding", {}))
+    "decoding": beam, length penalty, length limits; ``recommended_decoding`` for ``direction``
+    "src-tgt"): the one place both the service and ``model.evaluate`` build them. ``n_best``
+    hypotheses come from one beam, so a narrower beam is widened to ``n_best``. Raises
+    ``ValueError`` for options no search can run."""
+    card = recommended_decoding(meta, direction)
     beam = max(beam_size if beam_size is not None else int(card.get("beam_size", 4)), n_best)
     card.update(beam_size=beam, n_best=n_best, max_length=max_length)
     return DecodingOptions(**card)

@@ -96,11 +96,13 @@ def measure_checkpoint(
     model's sources are led by the target's tag (``Checkpoint.source_prefix``)."""
     ckpt = checkpoint.load(folder, device)
     translator = Translator(ckpt.model, ckpt.tokenizer, ckpt.source_prefix(target))
-    beam = checkpoint.decoding_options(ckpt.meta)
+    direction = f"{source}-{target}"
+    beam = checkpoint.decoding_options(ckpt.meta, direction=direction)
+    greedy = checkpoint.decoding_options(ckpt.meta, 1, direction=direction)
     out: dict[str, Any] = {}
     for split in splits:
         data = read_parallel(split_file(data_dir, split, source), split_file(data_dir, split, target)).head(limit)
-        for name, options in (("greedy", checkpoint.decoding_options(ckpt.meta, 1)), (f"beam{beam.beam_size}", beam)):
+        for name, options in (("greedy", greedy), (f"beam{beam.beam_size}", beam)):
             result = evaluate(translator, data.src, data.tgt, options)
             keys = ("bleu", "bleu_lc", "chrf", "sentences", "signatures")
             out.setdefault(split, {})[name] = {k: result[k] for k in keys}
@@ -157,14 +159,15 @@ def main(argv: list[str] | None = None) -> None:
         src, ref = src[: args.limit], ref[: args.limit]
     start = time.perf_counter()
     if then is not None:  # the first leg; the second is scored (and timed from here) below
-        first = checkpoint.decoding_options(ckpt.meta, args.beam_size)
+        first = checkpoint.decoding_options(ckpt.meta, args.beam_size, direction="-".join(pair))
         leg = Translator(ckpt.model, ckpt.tokenizer, prefix)
         src, ckpt, prefix = translate_all(leg, src, first, args.batch_size), then, ()
+        pair = checkpoint.directions(then.meta)[0]
     result = evaluate(
         Translator(ckpt.model, ckpt.tokenizer, prefix),
         src,
         ref,
-        checkpoint.decoding_options(ckpt.meta, args.beam_size),
+        checkpoint.decoding_options(ckpt.meta, args.beam_size, direction="-".join(pair)),
         args.batch_size,
     )
     result["seconds"] = round(time.perf_counter() - start, 3)

@@ -74,6 +74,9 @@ class RecommendedDecoding:
     length_penalty: float = 0.6
     max_length_a: float = 1.5
     max_length_b: int = 10
+    # a many-to-many model's length penalty per direction ("cs-en" = 1.0) where val chose
+    # another than ``length_penalty`` (``checkpoint.recommended_decoding`` applies it)
+    length_penalty_by_direction: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

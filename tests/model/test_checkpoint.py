@@ -116,3 +116,27 @@ def test_mismatched_config_gives_clear_error(tmp_path: Path, tiny_weights_dir: P
 def test_missing_folder(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not found"):
         checkpoint.load(tmp_path / "nope")
+
+
+def test_a_many_to_many_card_may_recommend_a_length_penalty_per_direction(tmp_path: Path) -> None:
+    """``[decoding.length_penalty_by_direction]`` in a training config reaches config.json, and
+    the options built for a direction (the service's and model.evaluate's) take its entry;
+    other directions keep the card's length penalty."""
+    from model.train_config import load_train_config
+
+    config = tmp_path / "m2m.toml"
+    config.write_text(
+        'name = "m2m"\n[model]\nd_model = 32\n[decoding]\nbeam_size = 5\nlength_penalty = 1.4\n'
+        "[decoding.length_penalty_by_direction]\ncs-en = 0.6\nde-fr = 2.2\n"
+    )
+    decoding = load_train_config(config).decoding
+    assert decoding.length_penalty_by_direction == {"cs-en": 0.6, "de-fr": 2.2}
+    meta = {"decoding": json.loads(json.dumps(decoding.__dict__))}  # as model.train writes config.json
+    assert checkpoint.decoding_options(meta, direction="cs-en").length_penalty == 0.6
+    assert checkpoint.decoding_options(meta, 2, direction="de-fr") == DecodingOptions(beam_size=2, length_penalty=2.2)
+    assert checkpoint.decoding_options(meta, direction="fr-de").length_penalty == 1.4
+    assert checkpoint.decoding_options(meta).length_penalty == 1.4
+    assert checkpoint.recommended_decoding(meta, "cs-en") == {
+        "beam_size": 5, "length_penalty": 0.6, "max_length_a": 1.5, "max_length_b": 10
+    }  # fmt: skip
+    assert checkpoint.recommended_decoding({}, "cs-en") == {}
