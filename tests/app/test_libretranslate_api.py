@@ -9,7 +9,6 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.error import HTTPError
@@ -219,6 +218,11 @@ def test_a_many_to_many_model_serves_its_directions_from_one_loaded_model(tmp_pa
     (weights / "many-to-many").symlink_to(ROOT / "weights" / "many-to-many")
     ckpt = checkpoint.load(weights / "many-to-many")
     texts = ["Ein Hund läuft über die Wiese.", "Zwei Kinder spielen im Park."]
+    card = ckpt.meta["decoding"]
+
+    def alpha(direction: str) -> float:  # the card's length penalty, or the direction's own where it has one
+        return float(card.get("length_penalty_by_direction", {}).get(direction, card["length_penalty"]))
+
     for client in start(Settings(weights_dir=weights)):
         languages = {lang["code"]: lang["targets"] for lang in client.get("/languages").json()}
         assert languages == {"cs": ["de", "en", "fr"], "de": ["cs", "en", "fr"], "en": ["cs", "de", "fr"],
@@ -227,20 +231,14 @@ def test_a_many_to_many_model_serves_its_directions_from_one_loaded_model(tmp_pa
             body = {"q": texts, "source": "de", "target": target, "beam_size": 2, "details": True}
             answer = client.post("/translate", json=body).json()
             direct = Translator(ckpt.model, ckpt.tokenizer, target_prefix(ckpt.tokenizer, target))
-            options = DecodingOptions(beam_size=2, length_penalty=ckpt.meta["decoding"]["length_penalty"])
-            if f"de-{target}" in ckpt.meta["decoding"].get("length_penalty_by_direction", {}):
-                options = replace(
-                    options, length_penalty=ckpt.meta["decoding"]["length_penalty_by_direction"][f"de-{target}"]
-                )
+            options = DecodingOptions(beam_size=2, length_penalty=alpha(f"de-{target}"))
             expected = [t.text for t in direct.translate(texts, options)]
             assert answer["translatedText"] == expected
             assert [d["models"] for d in answer["details"]] == [[f"de-{target}"]] * 2
         info = client.get("/info").json()["directions"]
         assert len(info) == 12 and {d["parameters"] for d in info} == {ckpt.model.num_parameters()}
-        by_direction = ckpt.meta["decoding"].get("length_penalty_by_direction", {})
         for d in info:  # each direction's own length penalty, where val chose one
-            alpha = by_direction.get(f"{d['source']}-{d['target']}", ckpt.meta["decoding"]["length_penalty"])
-            assert d["recommended_decoding"]["length_penalty"] == alpha
+            assert d["recommended_decoding"]["length_penalty"] == alpha(f"{d['source']}-{d['target']}")
         metrics = client.get("/metrics").text
         assert 'translator_decode_steps_total{direction="many-to-many"}' in metrics  # one model thread
         assert 'translator_model_info{device="cpu",direction="de-fr",dtype="float32"} 1.0' in metrics
