@@ -252,14 +252,18 @@ _onednn_packed = _Packed(lambda w, _: torch.ops.mkldnn._reorder_linear_weight(w)
 
 
 # oneDNN builds (JIT-compiles) a matmul primitive for every row count it sees, ~1-5 ms each on
-# an AVX2 Zen 3, and keeps the last ``ONEDNN_PRIMITIVE_CACHE`` of them (model/allocator.py).
-# The decoder's row count changes whenever a sentence finishes or joins, so without bucketing
-# most changes cost a rebuild of every layer's primitive and a bounded cache thrashes. Rows
-# are padded up to one of ``ROW_BUCKETS_PER_OCTAVE`` sizes per power of two (exact up to
-# ``EXACT_ROWS``): at most 1/4 more arithmetic, usually much less, and few enough shapes that
-# the cache keeps them (docs/benchmarks.md "Numbers behind the code").
-EXACT_ROWS = 8
-ROW_BUCKETS_PER_OCTAVE = 4
+# an AVX2 Zen 3, and keeps the last ``ONEDNN_PRIMITIVE_CACHE`` of them (model/allocator.py), each
+# with its descriptor (~0.3 MiB on AVX2). The decoder's row count changes whenever a sentence
+# finishes or joins, so rows are padded up to one of ``ROW_BUCKETS_PER_OCTAVE`` sizes per power
+# of two (exact up to ``EXACT_ROWS``): at most half again the rows, usually much less, and 16
+# sizes up to 256 rows. Above ``ONEDNN_MAX_ROWS`` rows (the encoder's sentences x tokens, a
+# different count every batch; the first steps of 64 sentences at beam 5) ``F.linear`` runs
+# instead: MKL's sgemm is about as fast there as the packed oneDNN call and builds and caches
+# nothing per shape. Fewer sizes and no encoder shapes: decoding's peak memory fell by a
+# quarter, speed within the machine's drift (docs/benchmarks.md "Numbers behind the code").
+EXACT_ROWS = 4
+ROW_BUCKETS_PER_OCTAVE = 2
+ONEDNN_MAX_ROWS = 256
 
 
 def bucket_rows(rows: int) -> int:
@@ -273,8 +277,8 @@ def bucket_rows(rows: int) -> int:
 
 def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
     """oneDNN matmul on a packed copy of a parameter, ReLU fused as a post-op, rows padded to
-    ``bucket_rows``; ``F.linear`` for one row of a small layer (and for mixed dtypes, to raise
-    ``F.linear``'s error)."""
+    ``bucket_rows``; ``F.linear`` for one row of a small layer, above ``ONEDNN_MAX_ROWS`` rows
+    (and for mixed dtypes, to raise ``F.linear``'s error)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if _aten_instead(x, weight, rows):
         return aten(x, weight, bias, relu)
@@ -284,8 +288,10 @@ def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
 
 
 def _aten_instead(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
-    """Where ``onednn`` hands a call to ``F.linear``: one row of a small layer, or mixed dtypes."""
-    return x.dtype != weight.dtype or (rows <= ATEN_MAX_ROWS and weight.shape[0] <= ATEN_MAX_OUT)
+    """Where ``onednn`` hands a call to ``F.linear``: one row of a small layer, more rows than
+    ``ONEDNN_MAX_ROWS`` once bucketed, or mixed dtypes."""
+    small_row = rows <= ATEN_MAX_ROWS and weight.shape[0] <= ATEN_MAX_OUT
+    return x.dtype != weight.dtype or small_row or bucket_rows(rows) > ONEDNN_MAX_ROWS
 
 
 def _onednn_weight(weight: torch.Tensor) -> torch.Tensor:
