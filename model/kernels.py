@@ -257,9 +257,10 @@ _onednn_packed = _Packed(lambda w, _: torch.ops.mkldnn._reorder_linear_weight(w)
 # finishes or joins, so rows are padded up to one of ``ROW_BUCKETS_PER_OCTAVE`` sizes per power
 # of two (exact up to ``EXACT_ROWS``): at most half again the rows, usually much less, and 16
 # sizes up to 256 rows. Above ``ONEDNN_MAX_ROWS`` rows (the encoder's sentences x tokens, a
-# different count every batch; the first steps of 64 sentences at beam 5) ``F.linear`` runs
-# instead: MKL's sgemm is about as fast there as the packed oneDNN call and builds and caches
-# nothing per shape. Fewer sizes and no encoder shapes: decoding's peak memory fell by a
+# different count every batch; the first steps of 64 sentences at beam 5) float32 runs
+# ``F.linear`` instead: MKL's sgemm takes 0.8-1.3x the packed oneDNN call's time there and
+# builds and caches nothing per shape (bfloat16 keeps oneDNN: its F.linear is oneDNN too, and
+# unmeasured). Fewer sizes and no encoder shapes: float32 decoding's peak memory fell by a
 # quarter, speed within the machine's drift (docs/benchmarks.md "Numbers behind the code").
 EXACT_ROWS = 4
 ROW_BUCKETS_PER_OCTAVE = 2
@@ -288,10 +289,11 @@ def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
 
 
 def _aten_instead(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
-    """Where ``onednn`` hands a call to ``F.linear``: one row of a small layer, more rows than
-    ``ONEDNN_MAX_ROWS`` once bucketed, or mixed dtypes."""
+    """Where ``onednn`` hands a call to ``F.linear``: one row of a small layer, float32 with more
+    rows than ``ONEDNN_MAX_ROWS`` once bucketed, or mixed dtypes."""
     small_row = rows <= ATEN_MAX_ROWS and weight.shape[0] <= ATEN_MAX_OUT
-    return x.dtype != weight.dtype or small_row or bucket_rows(rows) > ONEDNN_MAX_ROWS
+    many_rows = x.dtype == torch.float32 and bucket_rows(rows) > ONEDNN_MAX_ROWS
+    return x.dtype != weight.dtype or small_row or many_rows
 
 
 def _onednn_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -155,18 +155,34 @@ def test_row_buckets_are_few_and_waste_at_most_half() -> None:
     assert sorted(set(sizes[: kernels.ONEDNN_MAX_ROWS])) == expected
 
 
-@pytest.mark.parametrize("rows", [kernels.ONEDNN_MAX_ROWS + 1, 3000])
-def test_more_rows_than_onednn_takes_run_as_f_linear(rows: int) -> None:
-    """Above ONEDNN_MAX_ROWS (the encoder's sentences x tokens) the layer is F.linear itself,
-    bound or not, so those varying shapes build no oneDNN primitive."""
+def test_more_float32_rows_than_onednn_takes_run_as_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above ONEDNN_MAX_ROWS (the encoder's sentences x tokens) a float32 layer is F.linear
+    itself, bound or not, so those varying shapes build no oneDNN primitive; at the limit and
+    below it stays on oneDNN."""
     plan = kernels.choose("cpu", "float32")
+    if plan.kernel != "onednn":
+        pytest.skip(f"float32 runs {plan.kernel} on this CPU, not oneDNN")
     torch.manual_seed(0)
     layer = kernels.install(Linear(48, 70), plan)
+    onednn_rows = kernels._onednn_rows
+    calls: list[int] = []
+
+    def counted(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return onednn_rows(x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernels, "_onednn_rows", counted)
     with torch.inference_mode():
-        x = torch.randn(rows, 48)
-        expected = F.linear(x, layer.weight, layer.bias)
-        assert torch.equal(layer.kernel(x, layer.weight, layer.bias), expected)
-        assert torch.equal(kernels.bind(layer.kernel, layer.weight, layer.bias)(x, False), expected)
+        bound = kernels.bind(layer.kernel, layer.weight, layer.bias)
+        for rows in (kernels.ONEDNN_MAX_ROWS + 1, 3000):
+            x = torch.randn(rows, 48)
+            expected = F.linear(x, layer.weight, layer.bias)
+            assert torch.equal(layer.kernel(x, layer.weight, layer.bias), expected)
+            assert torch.equal(bound(x, False), expected)
+        assert calls == []
+        x = torch.randn(kernels.ONEDNN_MAX_ROWS, 48)
+        torch.testing.assert_close(bound(x, False), F.linear(x, layer.weight, layer.bias))
+        assert calls == [kernels.ONEDNN_MAX_ROWS]
 
 
 @pytest.mark.parametrize("cpu", _runnable("int8"))
