@@ -290,9 +290,9 @@ def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
 
 def _aten_instead(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
     """Where ``onednn`` hands a call to ``F.linear``: one row of a small layer, float32 with more
-    rows than ``ONEDNN_MAX_ROWS`` once bucketed, or mixed dtypes."""
+    rows than ``ONEDNN_MAX_ROWS`` (itself a bucket, so no padded count crosses it), or mixed dtypes."""
     small_row = rows <= ATEN_MAX_ROWS and weight.shape[0] <= ATEN_MAX_OUT
-    many_rows = x.dtype == torch.float32 and bucket_rows(rows) > ONEDNN_MAX_ROWS
+    many_rows = x.dtype == torch.float32 and rows > ONEDNN_MAX_ROWS
     return x.dtype != weight.dtype or small_row or many_rows
 
 

@@ -153,6 +153,7 @@ def test_row_buckets_are_few_and_waste_at_most_half() -> None:
     assert all(kernels.bucket_rows(s) == s for s in sizes)  # a bucket is its own bucket
     expected = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
     assert sorted(set(sizes[: kernels.ONEDNN_MAX_ROWS])) == expected
+    assert kernels.bucket_rows(kernels.ONEDNN_MAX_ROWS) == kernels.ONEDNN_MAX_ROWS  # no padding crosses it
 
 
 def test_more_float32_rows_than_onednn_takes_run_as_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
