@@ -151,7 +151,7 @@ def convert(
     model can still run as int8 with ``compute_type="int8"`` when loaded). An existing
     ``output_dir`` is replaced only with ``force``.
     """
-    ckpt = checkpoint.load(checkpoint_dir, "cpu")
+    ckpt = checkpoint.load(checkpoint_dir, "cpu", keep_float_weights=True)
     out = write(build_spec(ckpt.model, ckpt.tokenizer), output_dir, quantization, force)
     log.info("converted %s to CTranslate2 at %s (quantization %s)", checkpoint_dir, out, quantization)
     return out

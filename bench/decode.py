@@ -293,7 +293,8 @@ def _until_eos(row: list[int], eos_id: int) -> list[int]:
 
 def _setup_ctranslate2(int8: bool) -> Callable[[Settings, Path], Translate]:
     def setup(settings: Settings, workdir: Path) -> Translate:  # the converter reads float32 CPU weights
-        return setup_ctranslate2(checkpoint.load(settings.weights, "cpu"), settings, workdir / "ctranslate2", int8)
+        ckpt = checkpoint.load(settings.weights, "cpu", keep_float_weights=True)
+        return setup_ctranslate2(ckpt, settings, workdir / "ctranslate2", int8)
 
     return setup
 
@@ -301,7 +302,7 @@ def _setup_ctranslate2(int8: bool) -> Callable[[Settings, Path], Translate]:
 def _setup_marian(settings: Settings, workdir: Path) -> Translate:
     if settings.dtype not in kernels.FLOAT_DTYPES:
         raise ValueError(f"marian runs float dtypes only, not {settings.dtype}")
-    return setup_marian(checkpoint.load(settings.weights, "cpu"), settings)
+    return setup_marian(checkpoint.load(settings.weights, "cpu", keep_float_weights=True), settings)
 
 
 def _ours(settings: Settings) -> Checkpoint:

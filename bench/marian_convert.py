@@ -180,7 +180,7 @@ def load_marian(
     checkpoint_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> MarianMTModel:
     """Load a checkpoint folder straight into a Marian model on ``device`` in ``dtype``."""
-    ckpt = checkpoint.load(checkpoint_dir, "cpu")
+    ckpt = checkpoint.load(checkpoint_dir, "cpu", keep_float_weights=True)
     marian: Any = to_marian(ckpt.model)  # transformers' typing of .to() confuses mypy
     return marian.to(device=device, dtype=dtype)
 

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 def random_like(like: Path, out: Path, seed: int = 0) -> Path:
     """A checkpoint at ``out`` with ``like``'s config, tokenizer and metadata, Xavier-random weights."""
-    source = checkpoint.load(like, "cpu")
+    source = checkpoint.load(like, "cpu", keep_float_weights=True)
     torch.manual_seed(seed)
     model = Transformer(source.config)
     meta = {k: v for k, v in source.meta.items() if k not in {"training", "model"}}

@@ -182,10 +182,14 @@ def load(
     device: str | torch.device = "cpu",
     precision: str = "float32",
     features: kernels.CpuFeatures | None = None,
+    keep_float_weights: bool = False,
 ) -> Checkpoint:
     """Load and validate a checkpoint folder onto ``device`` for inference at ``precision``
     (float32, bfloat16, float16 or int8; eval mode), with the linear kernels ``kernels.choose``
-    picks for it and this CPU (or ``features``). Raises ``kernels.UnsupportedPrecision`` before
+    picks for it and this CPU (or ``features``). Layers that run on packed copies (int8, float32
+    on oneDNN) give their float weights up (``kernels.release_float_weights``), so the model is
+    for inference only; ``keep_float_weights`` keeps them (converters and tools that read the
+    weights). Raises ``kernels.UnsupportedPrecision`` before
     reading anything when the precision cannot run here."""
     plan = kernels.choose(device, precision, features)
     path = Path(path)
@@ -205,9 +209,10 @@ def load(
     load_weights(model, path)
     model.to(device=device, dtype=plan.dtype).eval()
     kernels.install(model, plan)
-    if plan.kernel == "fbgemm-int8":  # the packed int8 copies are all the layers read: one copy, not two
-        released = kernels.release_float_weights(model, keep=[model.output_matrix()])
-        log.info("int8: released %.1f MiB of float weights that packed int8 copies replace", released / 2**20)
+    if plan.kernel in ("fbgemm-int8", "onednn") and not keep_float_weights:  # the packed copies are all
+        released = kernels.release_float_weights(model, keep=[model.output_matrix()])  # the layers read
+        if released:
+            log.info("%s: released %.1f MiB of float weights that packed copies replace", precision, released / 2**20)
     log.info("loaded %s (%d parameters): %s", path, model.num_parameters(), plan.describe())
     return Checkpoint(model, tokenizer, meta, path, plan)
 

@@ -6,7 +6,7 @@ CPU flags. ``choose`` maps (device, precision, CPU features) to a ``KernelPlan``
 
 | precision | CPU has | kernel | why |
 | --- | --- | --- | --- |
-| float32 | AVX2 (x86) | ``onednn`` | oneDNN matmul on weights packed once: 2-3x MKL's sgemm at 4-256 rows |
+| float32 | AVX2 (x86) | ``onednn`` | oneDNN matmul on weights packed once: 2-3x MKL's sgemm at 4-256 rows; at load the float copies go (``PackedOneDNN``) |
 | float32 | no AVX2 | ``aten`` | ``F.linear``; torch's oneDNN weight packing is only trusted on x86 |
 | bfloat16 | AVX-512 BW/VL/DQ or AVX-NE-CONVERT | ``onednn`` | what torch's oneDNN bf16 reorder requires |
 | bfloat16 | less | ``aten`` | works, slowly; logged once at load |
@@ -50,8 +50,10 @@ log = logging.getLogger(__name__)
 FLOAT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # At one row (greedy search of one sentence) ``F.linear`` beats the packed oneDNN call for the
-# model's inner layers and loses for the vocabulary-wide output projection
-# (docs/benchmarks.md "Numbers behind the code").
+# model's inner layers and loses for the vocabulary-wide output projection, per call with the
+# weights hot in cache; in a decoder step, weights streaming, the gain is ~0.13 ms a step on Zen 3
+# (docs/benchmarks.md "Numbers behind the code"). A model whose float weights were released
+# (``PackedOneDNN``, the served float32 models) runs every row count packed.
 ATEN_MAX_ROWS = 1
 ATEN_MAX_OUT = 4096
 
@@ -257,11 +259,12 @@ _onednn_packed = _Packed(lambda w, _: torch.ops.mkldnn._reorder_linear_weight(w)
 # finishes or joins, so rows are padded up to one of ``ROW_BUCKETS_PER_OCTAVE`` sizes per power
 # of two (exact up to ``EXACT_ROWS``): at most half again the rows, usually much less, and 16
 # sizes up to 256 rows. Above ``ONEDNN_MAX_ROWS`` rows (the encoder's sentences x tokens, a
-# different count every batch; the first steps of 64 sentences at beam 5) float32 runs
-# ``F.linear`` instead: MKL's sgemm takes 0.8-1.3x the packed oneDNN call's time there and
-# builds and caches nothing per shape (bfloat16 keeps oneDNN: its F.linear is oneDNN too, and
-# unmeasured). Fewer sizes and no encoder shapes: float32 decoding's peak memory fell by a
-# quarter, speed within the machine's drift (docs/benchmarks.md "Numbers behind the code").
+# different count every batch; the first steps of 64 sentences at beam 5) the rows run in
+# chunks of ``ONEDNN_MAX_ROWS`` through that size's primitive (the rest in one bucket), as fast
+# as MKL's sgemm on the whole matrix there, and no new shape reaches the caches. Fewer sizes and
+# no encoder shapes: float32 decoding's peak memory fell by a quarter, speed within the
+# machine's drift (docs/benchmarks.md "Numbers behind the code"). With every row count on the
+# packed copy, an inference model needs no float copy of these weights (``PackedOneDNN``).
 EXACT_ROWS = 4
 ROW_BUCKETS_PER_OCTAVE = 2
 ONEDNN_MAX_ROWS = 256
@@ -278,8 +281,8 @@ def bucket_rows(rows: int) -> int:
 
 def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
     """oneDNN matmul on a packed copy of a parameter, ReLU fused as a post-op, rows padded to
-    ``bucket_rows``; ``F.linear`` for one row of a small layer, above ``ONEDNN_MAX_ROWS`` rows
-    (and for mixed dtypes, to raise ``F.linear``'s error)."""
+    ``bucket_rows`` (in chunks above ``ONEDNN_MAX_ROWS``); ``F.linear`` for one row of a small
+    layer (and for mixed dtypes, to raise ``F.linear``'s error)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if _aten_instead(x, weight, rows):
         return aten(x, weight, bias, relu)
@@ -289,11 +292,8 @@ def onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
 
 
 def _aten_instead(x: torch.Tensor, weight: torch.Tensor, rows: int) -> bool:
-    """Where ``onednn`` hands a call to ``F.linear``: one row of a small layer, float32 with more
-    rows than ``ONEDNN_MAX_ROWS`` (itself a bucket, so no padded count crosses it), or mixed dtypes."""
-    small_row = rows <= ATEN_MAX_ROWS and weight.shape[0] <= ATEN_MAX_OUT
-    many_rows = x.dtype == torch.float32 and rows > ONEDNN_MAX_ROWS
-    return x.dtype != weight.dtype or small_row or many_rows
+    """Where ``onednn`` hands a call to ``F.linear``: one row of a small layer, or mixed dtypes."""
+    return x.dtype != weight.dtype or (rows <= ATEN_MAX_ROWS and weight.shape[0] <= ATEN_MAX_OUT)
 
 
 def _onednn_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -304,15 +304,29 @@ def _onednn_weight(weight: torch.Tensor) -> torch.Tensor:
 def _onednn_rows(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, relu: bool, rows: int
 ) -> torch.Tensor:
-    """x: (rows, in) -> (rows, out) through the packed weight, rows padded to ``bucket_rows``."""
+    """x: (rows, in) -> (rows, out) through the packed weight, rows padded to ``bucket_rows``;
+    more than ``ONEDNN_MAX_ROWS`` (itself a bucket) in chunks of that many and one bucket."""
     post = "relu" if relu else "none"
+    if rows == 0:
+        return x.new_empty(0, packed.shape[0])
+    if rows > ONEDNN_MAX_ROWS:
+        full = rows - rows % ONEDNN_MAX_ROWS
+        parts = [_matmul(x[i : i + ONEDNN_MAX_ROWS], packed, bias, post) for i in range(0, full, ONEDNN_MAX_ROWS)]
+        if full < rows:
+            parts.append(_onednn_rows(x[full:], packed, bias, relu, rows - full))
+        return torch.cat(parts)
     padded = bucket_rows(rows)
     if padded == rows:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, post, [], "")
+        return _matmul(x, packed, bias, post)
     staged = x.new_empty(padded, x.shape[-1])
     staged[:rows].copy_(x)
     staged[rows:].zero_()
-    return torch.ops.mkldnn._linear_pointwise(staged, packed, bias, post, [], "")[:rows]
+    return _matmul(staged, packed, bias, post)[:rows]
+
+
+def _matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, post: str) -> torch.Tensor:
+    """The oneDNN call itself: x (R, in) with R a bucket -> (R, out)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, post, [], "")
 
 
 def _pack_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> object:
@@ -375,24 +389,57 @@ class PackedInt8:
         return _run_int8(x, self.packed, self.reduce_range, relu)
 
 
+@dataclass(frozen=True, eq=False)
+class PackedOneDNN:
+    """One float layer's kernel once its weight is released (``release_float_weights``): oneDNN
+    on the packed copy only, at every row count (more than ``ONEDNN_MAX_ROWS`` rows in chunks of
+    that many, so no new shapes reach oneDNN's caches); the ``weight`` it is called with is a
+    placeholder and is not read."""
+
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False
+    ) -> torch.Tensor:
+        return self.run(x.reshape(-1, x.shape[-1]), relu).view(*x.shape[:-1], self.packed.shape[0])
+
+    def run(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        """x: (R, in) -> (R, out)."""
+        if x.dtype != self.packed.dtype:
+            x = x.to(self.packed.dtype)
+        return _onednn_rows(x, self.packed, self.bias, relu, x.shape[0])
+
+
 def release_float_weights(model: nn.Module, keep: Iterable[torch.Tensor] = ()) -> int:
-    """For int8 inference: every layer whose kernel is ``Int8Kernel`` gets its weight packed now
-    into a ``PackedInt8`` kernel, and its float weight and bias are replaced by placeholders on
-    the meta device (same shapes, no memory), so the model holds one copy of those weights (the
-    int8 one) instead of two. Weights in ``keep`` (read elsewhere: the output projection, which
-    the model runs through its own kernel and which may be the embeddings) stay. The model is
-    then for inference only: ``model.linear.linear`` refuses to run a released layer on any
-    other path. -> bytes released."""
+    """For inference: every layer whose kernel is ``Int8Kernel`` gets its weight packed now into a
+    ``PackedInt8`` kernel, and its float weight and bias are replaced by placeholders on the meta
+    device (same shapes, no memory); every float32 layer on ``onednn`` likewise gets a
+    ``PackedOneDNN`` kernel and a placeholder weight (its small bias stays, the kernel adds it).
+    So the model holds one copy of those weights (the packed one) instead of two. (bfloat16
+    keeps both: its oneDNN path runs on AVX-512 CPUs only, where this was not measured.)
+    Weights in ``keep`` (read elsewhere: the output projection, which the model runs through
+    its own kernel and which may be the embeddings) stay. The model is then for inference
+    only: ``model.linear.linear`` refuses to run a released layer on any other path.
+    -> bytes released."""
     kept = {id(t) for t in keep}
     released = 0
     for module in model.modules():
         kernel, weight = getattr(module, "kernel", None), getattr(module, "weight", None)
-        if not isinstance(kernel, Int8Kernel) or not isinstance(weight, nn.Parameter) or id(weight) in kept:
+        if not isinstance(weight, nn.Parameter) or id(weight) in kept:
             continue
         bias = getattr(module, "bias", None)
-        packed = _pack_int8(weight.detach(), None if bias is None else bias.detach())
-        setattr(module, "kernel", PackedInt8(packed, kernel.reduce_range))  # noqa: B010 (see install)
-        for name in ("weight", "bias"):
+        if isinstance(kernel, Int8Kernel):
+            packed = _pack_int8(weight.detach(), None if bias is None else bias.detach())
+            setattr(module, "kernel", PackedInt8(packed, kernel.reduce_range))  # noqa: B010 (see install)
+            names: tuple[str, ...] = ("weight", "bias")
+        elif kernel is onednn and weight.dtype == torch.float32:
+            packed_f = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            setattr(module, "kernel", PackedOneDNN(packed_f, None if bias is None else bias.detach()))  # noqa: B010
+            names = ("weight",)
+        else:
+            continue
+        for name in names:
             tensor = getattr(module, name)
             if tensor is not None:
                 released += tensor.numel() * tensor.element_size()
@@ -443,6 +490,8 @@ def bind(kernel: LinearKernel, weight: torch.Tensor, bias: torch.Tensor | None) 
             return _run_int8(x, int8_packed, reduce_range, relu)
 
         return run_int8
+    if isinstance(kernel, PackedOneDNN):
+        return kernel.run
     if kernel is onednn:
         packed = _onednn_weight(weight)
 

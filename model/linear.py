@@ -37,8 +37,9 @@ def linear(
         return kernel(x, weight, bias, relu)
     if weight.is_meta and not x.is_meta:
         raise RuntimeError(
-            "this layer's float weights were released for int8 inference (model.kernels.release_float_weights): "
-            "it runs on the CPU in inference mode only; load the checkpoint again for anything else"
+            "this layer's float weights were released for inference on packed copies "
+            "(model.kernels.release_float_weights): it runs on the CPU in inference mode only; "
+            "load the checkpoint with keep_float_weights=True for anything else"
         )
     out = F.linear(x, weight, bias)
     return F.relu(out) if relu else out

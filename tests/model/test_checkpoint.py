@@ -31,7 +31,7 @@ def test_round_trip_gives_identical_outputs(tmp_path: Path, tiny_tokenizer: Toke
     torch.manual_seed(0)
     model = Transformer(tiny_config(tiny_tokenizer.vocab_size)).eval()
     checkpoint.save(tmp_path / "c", model, tiny_tokenizer, {"source_lang": "de", "target_lang": "en"})
-    loaded = checkpoint.load(tmp_path / "c")
+    loaded = checkpoint.load(tmp_path / "c", keep_float_weights=True)
     src = torch.tensor([[5, 6, 7, 3]])
     tgt = torch.tensor([[2, 8, 9]])
     torch.testing.assert_close(loaded.model(src, tgt), model(src, tgt), atol=0, rtol=0)
@@ -44,7 +44,7 @@ def test_round_trip_gives_identical_outputs(tmp_path: Path, tiny_tokenizer: Toke
 
 
 def test_fp16_storage_halves_the_file(tmp_path: Path, tiny_weights_dir: Path) -> None:
-    ckpt = checkpoint.load(tiny_weights_dir / "de-en")
+    ckpt = checkpoint.load(tiny_weights_dir / "de-en", keep_float_weights=True)
     checkpoint.save(tmp_path / "h", ckpt.model, ckpt.tokenizer, ckpt.meta, dtype=torch.float16)
     full = (tiny_weights_dir / "de-en" / checkpoint.WEIGHTS).stat().st_size
     half = (tmp_path / "h" / checkpoint.WEIGHTS).stat().st_size
@@ -55,7 +55,7 @@ def test_fp16_storage_halves_the_file(tmp_path: Path, tiny_weights_dir: Path) ->
 def test_large_weights_are_written_in_shards_under_the_limit(
     tmp_path: Path, tiny_weights_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ckpt = checkpoint.load(tiny_weights_dir / "de-en")
+    ckpt = checkpoint.load(tiny_weights_dir / "de-en", keep_float_weights=True)
     whole = (tiny_weights_dir / "de-en" / checkpoint.WEIGHTS).stat().st_size
     monkeypatch.setattr(checkpoint, "SHARD_BYTES", whole // 3)
     folder = checkpoint.save(tmp_path / "s", ckpt.model, ckpt.tokenizer, ckpt.meta)
@@ -66,7 +66,7 @@ def test_large_weights_are_written_in_shards_under_the_limit(
     ]
     biggest = max(t.numel() * t.element_size() for t in checkpoint.unique_state(ckpt.model).values())
     assert all(p.stat().st_size <= max(whole // 3, biggest) + 4096 for p in shards)  # (+ the header)
-    loaded = checkpoint.load(folder)
+    loaded = checkpoint.load(folder, keep_float_weights=True)
     for name, tensor in checkpoint.unique_state(ckpt.model).items():
         torch.testing.assert_close(checkpoint.unique_state(loaded.model)[name], tensor, atol=0, rtol=0)
     (shards[1]).unlink()  # a missing shard: the names no longer match

@@ -156,34 +156,70 @@ def test_row_buckets_are_few_and_waste_at_most_half() -> None:
     assert kernels.bucket_rows(kernels.ONEDNN_MAX_ROWS) == kernels.ONEDNN_MAX_ROWS  # no padding crosses it
 
 
-def test_more_float32_rows_than_onednn_takes_run_as_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above ONEDNN_MAX_ROWS (the encoder's sentences x tokens) a float32 layer is F.linear
-    itself, bound or not, so those varying shapes build no oneDNN primitive; at the limit and
-    below it stays on oneDNN."""
+def test_more_rows_than_onednn_takes_run_in_chunks_of_known_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above ONEDNN_MAX_ROWS (the encoder's sentences x tokens) a layer runs in chunks of
+    ONEDNN_MAX_ROWS rows and one bucket for the rest, bound or not, released or not: oneDNN only
+    ever sees bucket sizes up to the limit (so those varying shapes build no new primitive), and
+    the result is F.linear's."""
     plan = kernels.choose("cpu", "float32")
     if plan.kernel != "onednn":
         pytest.skip(f"float32 runs {plan.kernel} on this CPU, not oneDNN")
     torch.manual_seed(0)
     layer = kernels.install(Linear(48, 70), plan)
-    onednn_rows = kernels._onednn_rows
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    matmul = kernels._matmul
     calls: list[int] = []
 
     def counted(x: torch.Tensor, *args: object) -> torch.Tensor:
         calls.append(x.shape[0])
-        return onednn_rows(x, *args)  # type: ignore[arg-type]
+        return matmul(x, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(kernels, "_onednn_rows", counted)
+    monkeypatch.setattr(kernels, "_matmul", counted)
+    limit = kernels.ONEDNN_MAX_ROWS
     with torch.inference_mode():
         bound = kernels.bind(layer.kernel, layer.weight, layer.bias)
-        for rows in (kernels.ONEDNN_MAX_ROWS + 1, 3000):
-            x = torch.randn(rows, 48)
-            expected = F.linear(x, layer.weight, layer.bias)
-            assert torch.equal(layer.kernel(x, layer.weight, layer.bias), expected)
-            assert torch.equal(bound(x, False), expected)
-        assert calls == []
-        x = torch.randn(kernels.ONEDNN_MAX_ROWS, 48)
-        torch.testing.assert_close(bound(x, False), F.linear(x, layer.weight, layer.bias))
-        assert calls == [kernels.ONEDNN_MAX_ROWS]
+        x = torch.randn(2 * limit + 5, 48)
+        expected = F.relu(F.linear(x, weight, bias))
+        torch.testing.assert_close(layer.kernel(x, layer.weight, layer.bias, True), expected)
+        torch.testing.assert_close(bound(x, True), expected)
+        assert calls == [limit, limit, kernels.bucket_rows(5)] * 2
+        calls.clear()
+        kernels.release_float_weights(layer)
+        assert layer.weight.is_meta and isinstance(layer.kernel, kernels.PackedOneDNN)
+        x = torch.randn(3000, 48)
+        torch.testing.assert_close(layer(x), F.linear(x, weight, bias))
+        bound = kernels.bind(layer.kernel, layer.weight, layer.bias)
+        torch.testing.assert_close(bound(x, False), F.linear(x, weight, bias))
+        assert set(calls) <= set(map(kernels.bucket_rows, range(1, limit + 1))) and max(calls) == limit
+        assert layer(torch.randn(0, 48)).shape == (0, 70)
+
+
+def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(tiny_weights_dir: Path) -> None:
+    """Where float32 runs on oneDNN, a loaded checkpoint's linear layers keep their packed copies
+    only (float weights released, biases and the embeddings the output projection shares kept)
+    and translate as the same model with its float weights; ``keep_float_weights`` keeps them."""
+    from model.decoding import DecodingOptions
+    from model.translator import Translator
+
+    folder = tiny_weights_dir / "de-en"
+    ckpt = checkpoint.load(folder, "cpu", "float32")
+    kept = checkpoint.load(folder, "cpu", "float32", keep_float_weights=True)
+    layers = [m for m in ckpt.model.modules() if isinstance(m, Linear)]
+    assert not any(p.is_meta for p in kept.model.parameters())
+    if ckpt.plan.kernel != "onednn":
+        assert not any(p.is_meta for p in ckpt.model.parameters())
+        pytest.skip(f"float32 runs {ckpt.plan.kernel} on this CPU: nothing is packed, nothing released")
+    assert layers and all(isinstance(m.kernel, kernels.PackedOneDNN) and m.weight.is_meta for m in layers)
+    assert not any(m.bias.is_meta for m in layers) and not ckpt.model.output_matrix().is_meta
+    texts = ["ein Hund läuft", "zwei Männer spielen Fußball im Park", "x"]
+    ids = ckpt.tokenizer.encode(texts)
+    for beam in (1, 3):
+        options = DecodingOptions(beam_size=beam, max_length=12)
+        ours = Translator(ckpt.model, ckpt.tokenizer).decode_ids(ids, options)
+        reference = Translator(kept.model, kept.tokenizer).decode_ids(ids, options)
+        assert [[h.ids for h in hyps] for hyps in ours] == [[h.ids for h in hyps] for hyps in reference]
+    with pytest.raises(RuntimeError, match="released for inference"):
+        layers[0](torch.randn(2, layers[0].in_features))  # gradients enabled: not the kernel's path
 
 
 @pytest.mark.parametrize("cpu", _runnable("int8"))
@@ -273,7 +309,7 @@ def test_int8_load_keeps_one_copy_of_the_weights_and_decodes_as_before(tiny_weig
     assert not embedding.is_meta and embedding.untyped_storage().nbytes() == embedding.numel() * 4
     float_bytes = sum(p.numel() * p.element_size() for p in ckpt.model.parameters() if not p.is_meta)
     assert float_bytes < 0.5 * ckpt.model.num_parameters() * 4  # the layers' float copies are gone
-    kept = checkpoint.load(folder, "cpu", "float32")
+    kept = checkpoint.load(folder, "cpu", "float32", keep_float_weights=True)
     kernels.install(kept.model, ckpt.plan)  # same int8 plan, float weights kept
     texts = ["ein Hund läuft", "zwei Männer spielen Fußball im Park", "x"]
     for beam in (1, 3):
@@ -282,7 +318,7 @@ def test_int8_load_keeps_one_copy_of_the_weights_and_decodes_as_before(tiny_weig
         ours = Translator(ckpt.model, ckpt.tokenizer).decode_ids(ids, options)
         reference = Translator(kept.model, kept.tokenizer).decode_ids(ids, options)
         assert [[h.ids for h in hyps] for hyps in ours] == [[h.ids for h in hyps] for hyps in reference]
-    with pytest.raises(RuntimeError, match="released for int8 inference"):
+    with pytest.raises(RuntimeError, match="released for inference"):
         layers[0](torch.randn(2, layers[0].in_features))  # gradients enabled: not the kernel's path
 
 
