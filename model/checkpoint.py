@@ -61,6 +61,11 @@ def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     seen: set[int] = set()
     out = {}
     for name, tensor in model.state_dict().items():
+        if tensor.is_meta:
+            raise CheckpointError(
+                f"{name}: released for inference (model.kernels.release_float_weights); "
+                "load the checkpoint with keep_float_weights=True to save it"
+            )
         key = tensor.data_ptr()
         if key in seen:
             continue
@@ -189,8 +194,8 @@ def load(
     picks for it and this CPU (or ``features``). Layers that run on packed copies (int8, float32
     on oneDNN) give their float weights up (``kernels.release_float_weights``), so the model is
     for inference only; ``keep_float_weights`` keeps them (converters and tools that read the
-    weights). Raises ``kernels.UnsupportedPrecision`` before
-    reading anything when the precision cannot run here."""
+    weights). Raises ``kernels.UnsupportedPrecision`` before reading anything when the
+    precision cannot run here."""
     plan = kernels.choose(device, precision, features)
     path = Path(path)
     if not path.is_dir():
@@ -209,8 +214,9 @@ def load(
     load_weights(model, path)
     model.to(device=device, dtype=plan.dtype).eval()
     kernels.install(model, plan)
-    if plan.kernel in ("fbgemm-int8", "onednn") and not keep_float_weights:  # the packed copies are all
-        released = kernels.release_float_weights(model, keep=[model.output_matrix()])  # the layers read
+    # the packed copies are all the layers read: one copy of their weights, not two
+    if plan.kernel in ("fbgemm-int8", "onednn") and not keep_float_weights:
+        released = kernels.release_float_weights(model, keep=[model.output_matrix()])
         if released:
             log.info("%s: released %.1f MiB of float weights that packed copies replace", precision, released / 2**20)
     log.info("loaded %s (%d parameters): %s", path, model.num_parameters(), plan.describe())

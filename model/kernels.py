@@ -6,7 +6,7 @@ CPU flags. ``choose`` maps (device, precision, CPU features) to a ``KernelPlan``
 
 | precision | CPU has | kernel | why |
 | --- | --- | --- | --- |
-| float32 | AVX2 (x86) | ``onednn`` | oneDNN matmul on weights packed once: 2-3x MKL's sgemm at 4-256 rows; at load the float copies go (``PackedOneDNN``) |
+| float32 | AVX2 (x86) | ``onednn`` | oneDNN matmul on weights packed once: 2-3x MKL's sgemm at 4-256 rows |
 | float32 | no AVX2 | ``aten`` | ``F.linear``; torch's oneDNN weight packing is only trusted on x86 |
 | bfloat16 | AVX-512 BW/VL/DQ or AVX-NE-CONVERT | ``onednn`` | what torch's oneDNN bf16 reorder requires |
 | bfloat16 | less | ``aten`` | works, slowly; logged once at load |
@@ -21,7 +21,9 @@ narrowed by the ISA caps users set for the libraries (``ONEDNN_MAX_CPU_ISA``,
 ``ATEN_CPU_CAPABILITY``), so a capped run also takes the capped path. Tests build
 ``CpuFeatures`` by hand to drive every row of the table on any machine.
 
-Measured per-call times behind the choices: docs/benchmarks.md "Linear kernels".
+A float32 model loaded for inference then keeps the packed copies only (``PackedOneDNN``,
+``release_float_weights``). Measured per-call times behind the choices: docs/benchmarks.md
+"Linear kernels".
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ FLOAT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": to
 
 # At one row (greedy search of one sentence) ``F.linear`` beats the packed oneDNN call for the
 # model's inner layers and loses for the vocabulary-wide output projection, per call with the
-# weights hot in cache; in a decoder step, weights streaming, the gain is ~0.13 ms a step on Zen 3
+# weights hot in cache; in a decoder step, weights streaming, the gain is 0.1-0.2 ms a step on Zen 3
 # (docs/benchmarks.md "Numbers behind the code"). A model whose float weights were released
 # (``PackedOneDNN``, the served float32 models) runs every row count packed.
 ATEN_MAX_ROWS = 1
@@ -265,6 +267,7 @@ _onednn_packed = _Packed(lambda w, _: torch.ops.mkldnn._reorder_linear_weight(w)
 # no encoder shapes: float32 decoding's peak memory fell by a quarter, speed within the
 # machine's drift (docs/benchmarks.md "Numbers behind the code"). With every row count on the
 # packed copy, an inference model needs no float copy of these weights (``PackedOneDNN``).
+# bfloat16 chunks the same way (before: one padded call), which was not measured (AVX-512 only).
 EXACT_ROWS = 4
 ROW_BUCKETS_PER_OCTAVE = 2
 ONEDNN_MAX_ROWS = 256
@@ -392,9 +395,9 @@ class PackedInt8:
 @dataclass(frozen=True, eq=False)
 class PackedOneDNN:
     """One float layer's kernel once its weight is released (``release_float_weights``): oneDNN
-    on the packed copy only, at every row count (more than ``ONEDNN_MAX_ROWS`` rows in chunks of
-    that many, so no new shapes reach oneDNN's caches); the ``weight`` it is called with is a
-    placeholder and is not read."""
+    on the packed copy (out, in) and its own bias, at every row count (more than
+    ``ONEDNN_MAX_ROWS`` rows in chunks of that many, so no new shapes reach oneDNN's caches);
+    the ``weight`` and ``bias`` it is called with are placeholders and are not read."""
 
     packed: torch.Tensor
     bias: torch.Tensor | None
@@ -402,12 +405,13 @@ class PackedOneDNN:
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False
     ) -> torch.Tensor:
+        """x: (..., in) -> (..., out)."""
         return self.run(x.reshape(-1, x.shape[-1]), relu).view(*x.shape[:-1], self.packed.shape[0])
 
     def run(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
-        """x: (R, in) -> (R, out)."""
+        """x: (R, in) -> (R, out), in the weight's dtype (another dtype is refused, as ``F.linear`` does)."""
         if x.dtype != self.packed.dtype:
-            x = x.to(self.packed.dtype)
+            raise RuntimeError(f"expected {self.packed.dtype} input for a {self.packed.dtype} layer, got {x.dtype}")
         return _onednn_rows(x, self.packed, self.bias, relu, x.shape[0])
 
 

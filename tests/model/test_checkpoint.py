@@ -43,6 +43,17 @@ def test_round_trip_gives_identical_outputs(tmp_path: Path, tiny_tokenizer: Toke
     assert not any(p.suffix in (".pt", ".pkl", ".bin") for p in (tmp_path / "c").iterdir())
 
 
+def test_a_model_loaded_for_inference_is_not_saved_half_released(tmp_path: Path, tiny_weights_dir: Path) -> None:
+    """Where the layers' float weights were released at load, saving says so and how to keep
+    them, instead of writing a checkpoint without them."""
+    ckpt = checkpoint.load(tiny_weights_dir / "de-en")
+    if not any(p.is_meta for p in ckpt.model.parameters()):
+        pytest.skip(f"{ckpt.plan.describe()}: nothing released on this CPU")
+    with pytest.raises(CheckpointError, match="keep_float_weights=True"):
+        checkpoint.save(tmp_path / "r", ckpt.model, ckpt.tokenizer, ckpt.meta)
+    assert not (tmp_path / "r" / checkpoint.WEIGHTS).exists()
+
+
 def test_fp16_storage_halves_the_file(tmp_path: Path, tiny_weights_dir: Path) -> None:
     ckpt = checkpoint.load(tiny_weights_dir / "de-en", keep_float_weights=True)
     checkpoint.save(tmp_path / "h", ckpt.model, ckpt.tokenizer, ckpt.meta, dtype=torch.float16)

@@ -121,6 +121,34 @@ def test_float_kernels_match_f_linear(cpu: str, precision: str, shape: tuple[int
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("shape", [(5, 48), (1, 48), (3, 1, 48), (0, 48), (300, 48), (3, 7, 48)])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_released_float32_layer_matches_f_linear(shape: tuple[int, ...], relu: bool, bias: bool) -> None:
+    """Once its float weight is released, a float32 oneDNN layer (``PackedOneDNN``) computes
+    F.linear at every row count, one row included, bound or not, and refuses another dtype."""
+    plan = kernels.choose("cpu", "float32")
+    if plan.kernel != "onednn":
+        pytest.skip(f"float32 runs {plan.kernel} on this CPU: nothing is packed, nothing released")
+    torch.manual_seed(0)
+    layer = kernels.install(Linear(48, 70, bias=bias), plan)
+    weight, b = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone()
+    x = torch.randn(shape)
+    expected = F.linear(x, weight, b)
+    expected = F.relu(expected) if relu else expected
+    with torch.inference_mode():
+        released = kernels.release_float_weights(layer)
+        assert released == 4 * 48 * 70 and layer.weight.is_meta and isinstance(layer.kernel, kernels.PackedOneDNN)
+        assert bias == (layer.bias is not None and not layer.bias.is_meta)
+        out = layer(x, relu=relu)
+        bound = kernels.bind(layer.kernel, layer.weight, layer.bias)(x.reshape(-1, 48), relu)
+        with pytest.raises(RuntimeError, match=r"expected torch\.float32 input"):
+            layer(x.double())
+    assert out.shape == (*shape[:-1], 70) and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(bound, out.reshape(-1, 70))
+
+
 @pytest.mark.parametrize("precision", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("out_features", [70, kernels.ATEN_MAX_OUT + 1])
 def test_a_bound_kernel_gives_what_the_kernel_gives(precision: str, out_features: int) -> None:
@@ -211,6 +239,8 @@ def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(tin
         pytest.skip(f"float32 runs {ckpt.plan.kernel} on this CPU: nothing is packed, nothing released")
     assert layers and all(isinstance(m.kernel, kernels.PackedOneDNN) and m.weight.is_meta for m in layers)
     assert not any(m.bias.is_meta for m in layers) and not ckpt.model.output_matrix().is_meta
+    float_bytes = sum(p.numel() * p.element_size() for p in ckpt.model.parameters() if not p.is_meta)
+    assert float_bytes < 0.5 * ckpt.model.num_parameters() * 4  # the layers' float copies are gone
     texts = ["ein Hund läuft", "zwei Männer spielen Fußball im Park", "x"]
     ids = ckpt.tokenizer.encode(texts)
     for beam in (1, 3):
@@ -322,19 +352,26 @@ def test_int8_load_keeps_one_copy_of_the_weights_and_decodes_as_before(tiny_weig
         layers[0](torch.randn(2, layers[0].in_features))  # gradients enabled: not the kernel's path
 
 
-@pytest.mark.skipif(not _runnable("int8"), reason="int8 needs AVX2 and fbgemm")
+@pytest.mark.parametrize("precision", ["int8", "float32"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_releasing_float_weights_keeps_what_is_read_elsewhere(tied: bool) -> None:
+def test_releasing_float_weights_keeps_what_is_read_elsewhere(tied: bool, precision: str) -> None:
     """The output projection (the embeddings when tied, its own layer when not) is run by the
     model's kernel on the float matrix, so it stays; every other int8 layer gives its float
-    weights up, and the network computes exactly what it computed before."""
+    weight and bias up, every float32 oneDNN layer its weight (its bias stays, in the kernel),
+    and the network computes exactly what it computed before."""
     from model.config import ModelConfig
     from model.transformer import Transformer
 
+    try:
+        plan = kernels.choose("cpu", precision)
+    except UnsupportedPrecision:
+        pytest.skip(f"{precision} does not run on this CPU")
+    if plan.kernel == "aten":
+        pytest.skip(f"{precision} runs F.linear on this CPU: nothing is packed, nothing released")
     torch.manual_seed(5)
     cfg = ModelConfig(src_vocab_size=50, tgt_vocab_size=50, d_model=32, n_heads=2, encoder_layers=1,
                       decoder_layers=1, d_ff=64, share_embeddings=tied)  # fmt: skip
-    model = kernels.install(Transformer(cfg).eval(), kernels.choose("cpu", "int8"))
+    model = kernels.install(Transformer(cfg).eval(), plan)
     src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 5))
     with torch.inference_mode():
         before = model(src, tgt)
@@ -344,4 +381,7 @@ def test_releasing_float_weights_keeps_what_is_read_elsewhere(tied: bool) -> Non
     assert not model.output_matrix().is_meta
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     assert [m.weight.is_meta for m in layers] == [m.weight is not model.output_matrix() for m in layers]
-    assert released == sum(4 * (m.weight.numel() + m.bias.numel()) for m in layers if m.weight.is_meta)
+    bias_released = precision == "int8"
+    biased = [m for m in layers if m.bias is not None]
+    assert [m.bias.is_meta for m in biased] == [bias_released and m.weight.is_meta for m in biased]
+    assert released == sum(4 * (m.weight.numel() + bias_released * m.bias.numel()) for m in layers if m.weight.is_meta)
