@@ -252,7 +252,12 @@ def aten(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu:
     return out.relu_() if relu else out
 
 
-_onednn_packed = _Packed(lambda w, _: torch.ops.mkldnn._reorder_linear_weight(w))
+def _pack_onednn(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(out, in) float weight -> oneDNN's packed copy (the bias is added by the call itself)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+_onednn_packed = _Packed(_pack_onednn)
 
 
 # oneDNN builds (JIT-compiles) a matmul primitive for every row count it sees, ~1-5 ms each on
@@ -438,8 +443,8 @@ def release_float_weights(model: nn.Module, keep: Iterable[torch.Tensor] = ()) -
             setattr(module, "kernel", PackedInt8(packed, kernel.reduce_range))  # noqa: B010 (see install)
             names: tuple[str, ...] = ("weight", "bias")
         elif kernel is onednn and weight.dtype == torch.float32:
-            packed_f = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-            setattr(module, "kernel", PackedOneDNN(packed_f, None if bias is None else bias.detach()))  # noqa: B010
+            onednn_packed = _pack_onednn(weight.detach())
+            setattr(module, "kernel", PackedOneDNN(onednn_packed, None if bias is None else bias.detach()))  # noqa: B010
             names = ("weight",)
         else:
             continue
