@@ -1,8 +1,9 @@
 """Dynamic, continuous batching: sentences from concurrent requests share model batches.
 
 Requests (on the event loop) put sentence jobs into a bounded queue and await futures.
-One worker thread per model owns a running batch (a decoding session). When the batch is
-empty, the worker takes the oldest job and starts a batch of jobs with the same decoding
+Each model's scheduler owns a running batch (a decoding session); one model thread runs
+every model's work, taking turns (``ModelThread``). When the batch is empty, the scheduler
+takes the oldest job and starts a batch of jobs with the same decoding
 options at once, unless sentences arrive so often that company is expected within
 ``max_wait`` (then it waits that long at most: a lone client never waits), bounded by sentence count and padded
 source tokens (shortest first, so little padding). While the batch runs, queued jobs with
@@ -18,6 +19,7 @@ at its next step, so abandoned work does not hold up the requests still waiting.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import math
@@ -26,12 +28,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from app.metrics import Metrics
 from model.decoding import DecodingOptions, Finished, Hypothesis
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Session(Protocol):
@@ -103,7 +107,7 @@ class ModelCall:
 Work = Job | ModelCall
 
 
-# What the worker does next (``BatchScheduler._next``): one of these four.
+# What a model does next (``BatchScheduler._poll``): one of these four.
 @dataclass(frozen=True)
 class Admit:
     """These jobs join the running batch (a new batch when ``fresh``), then it steps."""
@@ -125,11 +129,11 @@ class Call:
 
 
 @dataclass(frozen=True)
-class Stop:
-    """Closing, and nothing is left to do."""
+class Idle:
+    """The model ran out of work: drop the ended batch and run the idle hook."""
 
 
-Decision = Admit | Step | Call | Stop
+Decision = Admit | Step | Call | Idle
 
 
 @dataclass(frozen=True)
@@ -150,58 +154,49 @@ class BatchScheduler:
         metrics: Metrics,
         direction: str,
         on_idle: Callable[[], object] | None = None,
+        thread: ModelThread | None = None,
     ) -> None:
-        """``on_idle`` runs on the worker each time the model runs out of work (the running
-        batch ended and nothing waits): the service hands freed memory back to the OS there."""
+        """``on_idle`` runs on the model thread each time this model runs out of work (the
+        running batch ended and nothing waits): the service hands freed memory back to the OS
+        there. ``thread``: the model thread shared with other schedulers (``ModelThread``);
+        without one the scheduler has a thread of its own."""
         self.open_session, self.limits, self.metrics, self.direction = open_session, limits, metrics, direction
         self.on_idle = on_idle
-        self._session: Session | None = None  # the running batch (worker thread only)
+        self._owns_thread = thread is None
+        self.thread = ModelThread(f"batcher-{direction}") if thread is None else thread
+        self._session: Session | None = None  # the running batch (model thread only)
         self._options: DecodingOptions | None = None  # its decoding options
         self._running: dict[int, Job] = {}  # its jobs by tag
         self._cancelled: set[int] = set()  # tags of running jobs whose requests are gone
         self._tags = itertools.count()
         self._pending: deque[Work] = deque()
-        self._cond = threading.Condition()
+        self._cond = self.thread.cond  # one lock for the thread and all its schedulers
         self._closing = False
-        self._thread: threading.Thread | None = None
+        self._idle_due = False  # work was done since ``on_idle`` last ran
         self._rate = Throughput()  # sentences answered per second, for Retry-After
         self._arrivals = Throughput()  # sentences queued per second: is company worth waiting for?
 
     def start(self, warm_up: Callable[[], None] | None = None) -> None:
-        """Start the worker; it runs ``warm_up`` first, and this returns (or raises) when that is done.
-
-        All model work runs on the worker thread, warm-up included. torch's OpenMP pool is per
-        calling thread, and once more pool threads exist than cores (say, the warm-up's pool
-        in another thread that lives on), libgomp throttles their spin-waiting and decoding on
-        the worker slows down about 2x (docs/benchmarks.md "Numbers behind the code").
-        """
-        started = threading.Event()
-        failure: list[BaseException] = []
-
-        def run() -> None:
+        """Join the model thread (one of this scheduler's own when none was given) and run
+        ``warm_up`` there first; this returns (or raises) when that is done."""
+        if warm_up is not None:
             try:
-                if warm_up is not None:
-                    warm_up()
-            except BaseException as err:
-                failure.append(err)
-                return
-            finally:
-                started.set()
-            self._work()
-
-        self._thread = threading.Thread(target=run, name=f"batcher-{self.direction}", daemon=True)
-        self._thread.start()
-        started.wait()
-        if failure:
-            raise failure[0]
+                self.thread.run(warm_up)
+            except BaseException:
+                if self._owns_thread:
+                    self.thread.close()
+                raise
+        self.thread.add(self)
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish the jobs already queued, then stop the worker."""
+        """Finish the jobs already queued (within ``timeout``), then take no more; a model
+        thread of its own stops."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
+            self._cond.wait_for(self._done, timeout)
+        if self._owns_thread:
+            self.thread.close(timeout)
 
     @property
     def depth(self) -> int:
@@ -244,7 +239,7 @@ class BatchScheduler:
             for job in jobs:
                 if not job.future.done():
                     job.future.cancel()
-                if isinstance(job, Job) and job.tag is not None:  # admitted: maybe decoding still (the worker checks)
+                if isinstance(job, Job) and job.tag is not None:  # admitted: maybe still decoding (checked each step)
                     self._cancelled.add(job.tag)
             before = len(self._pending)
             self._pending = deque(j for j in self._pending if not j.future.done())
@@ -262,26 +257,62 @@ class BatchScheduler:
             self.metrics.queue_depth.inc(len(jobs))
             self._cond.notify()
 
-    # --- the worker thread ----------------------------------------------------------------
-    def _work(self) -> None:
-        while True:
-            decision = self._next()
-            if isinstance(decision, Stop):
-                return
-            if isinstance(decision, Call):
-                self._call(decision.call)
-                continue
-            joining = decision.jobs if isinstance(decision, Admit) else []
-            try:
-                if isinstance(decision, Admit):
-                    self._admit(decision.jobs, decision.fresh)
-                self._step()
-            except Exception as err:  # the model failed: every request in the batch gets the error
-                failed = {id(j): j for j in [*self._running.values(), *joining]}.values()
-                log.exception("decoding %d sentences failed", len(failed))
-                self._session, self._running = None, {}
-                for job in failed:
-                    _fail(job, err)
+    # --- the model thread -----------------------------------------------------------------
+    def _done(self) -> bool:
+        """Closing, and nothing of this model is left to do (lock held)."""
+        return self._closing and not self._pending and not self._running
+
+    def _poll(self, now: float) -> Decision | float | None:
+        """What this model does next, decided under the lock without waiting: a decision; or
+        the ``perf_counter()`` time to look again (an idle model waiting for company up to
+        ``max_wait``); or None (nothing to do). With a running batch: a model call that is oldest
+        in the queue, else the queued jobs that fit join it, else it just steps. Idle with work
+        queued: start a batch (or run the call) unless company is expected within ``max_wait``."""
+        if self._running:
+            oldest = self._pending[0] if self._pending else None
+            if isinstance(oldest, ModelCall):
+                return Call(self._pop_call())
+            if oldest is None or oldest.options != self._options:
+                return Step()  # (other options: let this batch drain first)
+            jobs = self._take_compatible()
+            return Admit(jobs, fresh=False) if jobs else Step()
+        if not self._pending:
+            return Idle() if self._idle_due else None
+        lim = self.limits
+        deadline = self._pending[0].enqueued + lim.max_wait_s
+        if self._company_expected() and len(self._pending) < lim.max_sentences and not self._closing and now < deadline:
+            return deadline
+        oldest = self._pending[0]
+        if isinstance(oldest, ModelCall):
+            return Call(self._pop_call())
+        self._options = oldest.options
+        return Admit(self._take_compatible(), fresh=True)
+
+    def _execute(self, decision: Decision) -> None:
+        """Carry out a decision of ``_poll`` (model thread, lock not held)."""
+        if isinstance(decision, Idle):
+            # out of work: drop the ended batch's session (its cache buffers are as large as
+            # its largest step), then the idle hook
+            self._session = None
+            self._idle_due = False
+            if self.on_idle is not None:
+                self.on_idle()
+            return
+        self._idle_due = True
+        if isinstance(decision, Call):
+            self._call(decision.call)
+            return
+        joining = decision.jobs if isinstance(decision, Admit) else []
+        try:
+            if isinstance(decision, Admit):
+                self._admit(decision.jobs, decision.fresh)
+            self._step()
+        except Exception as err:  # the model failed: every request in the batch gets the error
+            failed = {id(j): j for j in [*self._running.values(), *joining]}.values()
+            log.exception("decoding %d sentences failed", len(failed))
+            self._session, self._running = None, {}
+            for job in failed:
+                _fail(job, err)
 
     def _call(self, call: ModelCall) -> None:
         call.started = time.perf_counter()
@@ -291,46 +322,6 @@ class BatchScheduler:
         except Exception as err:
             log.exception("model call failed")
             _fail(call, err)
-
-    def _next(self) -> Decision:
-        """What the worker does next. With a running batch: a model call that is oldest in the
-        queue, else the queued jobs that fit join it, else it just steps. Idle: wait for work
-        (and, when company is expected, up to ``max_wait`` for more), then start a batch."""
-        lim = self.limits
-        with self._cond:
-            if self._running:
-                oldest = self._pending[0] if self._pending else None
-                if isinstance(oldest, ModelCall):
-                    return Call(self._pop_call())
-                if oldest is None or oldest.options != self._options:
-                    return Step()  # (other options: let this batch drain first)
-                jobs = self._take_compatible()
-                return Admit(jobs, fresh=False) if jobs else Step()
-            if not self._pending:  # out of work: drop the ended batch's session (its cache buffers
-                self._session = None  # are as large as its largest step), then the idle hook
-                if self.on_idle is not None:
-                    self._cond.release()  # (requests may queue meanwhile)
-                    try:
-                        self.on_idle()
-                    finally:
-                        self._cond.acquire()
-            while not self._pending:
-                if self._closing:
-                    return Stop()
-                self._cond.wait()
-            deadline = self._pending[0].enqueued + lim.max_wait_s
-            while self._company_expected() and len(self._pending) < lim.max_sentences and not self._closing:
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-            if not self._pending:  # everything was cancelled while we waited
-                return Step()
-            oldest = self._pending[0]
-            if isinstance(oldest, ModelCall):
-                return Call(self._pop_call())
-            self._options = oldest.options
-            return Admit(self._take_compatible(), fresh=True)
 
     def _company_expected(self) -> bool:
         """Whether another sentence is likely to arrive within ``max_wait`` (at the arrival rate
@@ -421,6 +412,102 @@ class BatchScheduler:
             answers.append((job, done.hypotheses))
         self._rate.add(len(answers))
         _deliver_all(answers)
+
+
+class ModelThread:
+    """The one thread that runs all model work of a process: loading, warm-up, and every
+    scheduler's steps, admissions and calls, taking turns (one decision of one model at a
+    time, round robin over the models with work). torch's OpenMP pool is per calling thread,
+    and once more pool threads exist than cores, libgomp throttles their spin-waiting: with a
+    thread per model a lone sentence decoded about 2x slower than with one thread for all
+    (docs/benchmarks.md "Numbers behind the code"). Steps are milliseconds, so models take
+    turns at that grain."""
+
+    def __init__(self, name: str = "model") -> None:
+        self.name = name
+        self.cond = threading.Condition()
+        self._schedulers: list[BatchScheduler] = []
+        self._tasks: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
+        self._turn = 0  # where the round robin looks first
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the model thread (starting it if need be) before any other model
+        work, and return what it returns or raise what it raises. Blocks: not for the event
+        loop, nor for the model thread itself."""
+        assert threading.current_thread() is not self._thread, "run() from the model thread would deadlock"
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self.cond:
+            if self._closing:
+                raise SchedulerClosed("shutting down")
+            self._tasks.append((fn, future))
+            self.cond.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+        return future.result()
+
+    def add(self, scheduler: BatchScheduler) -> None:
+        """The thread serves this scheduler from now on."""
+        with self.cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+            self._schedulers.append(scheduler)
+            self.cond.notify_all()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Every scheduler finishes what it has queued, then the thread stops (waits up to
+        ``timeout`` in all)."""
+        with self.cond:
+            self._closing = True
+            for scheduler in self._schedulers:
+                scheduler._closing = True
+            self.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                work = self._next()
+            if work is None:
+                return
+            work()
+
+    def _next(self) -> Callable[[], None] | None:
+        """The next piece of work (lock held): a task from ``run`` first, else the next model
+        with something to do; waits while there is nothing; None once closed and drained."""
+        while True:
+            if self._tasks:
+                fn, future = self._tasks.popleft()
+                return lambda: _run_task(fn, future)
+            now = time.perf_counter()
+            wake = math.inf
+            count = len(self._schedulers)
+            for i in range(count):
+                scheduler = self._schedulers[(self._turn + i) % count]
+                decision = scheduler._poll(now)
+                if isinstance(decision, float):
+                    wake = min(wake, decision)
+                elif decision is not None:
+                    self._turn = (self._turn + i + 1) % count
+                    return lambda: scheduler._execute(decision)
+            if any(s._closing for s in self._schedulers):
+                self.cond.notify_all()  # (someone may wait in ``BatchScheduler.close``)
+            if self._closing and all(s._done() for s in self._schedulers):
+                return None
+            self.cond.wait(None if wake == math.inf else max(0.0, wake - now))
+
+
+def _run_task(fn: Callable[[], Any], future: concurrent.futures.Future[Any]) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except BaseException as err:  # (handed to the caller of ``ModelThread.run``)
+        future.set_exception(err)
 
 
 class Throughput:

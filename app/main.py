@@ -27,9 +27,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Check that the settings can run here (device, dtype, weights folder: an error exits the
     server with its message), then start loading the models in the background (so /health and
     /ready answer at once);
-    on shutdown, let the batchers finish what was accepted. The loader is a thread of its own
-    that ends after loading, not one of asyncio's executor threads, which live on (with the
-    OpenMP pool of whatever torch work they did; see ``BatchScheduler.start``)."""
+    on shutdown, let the model thread finish what was accepted. The loader is a thread of its
+    own that ends after loading; the models load and run on the one model thread
+    (``app.batching.ModelThread``: one OpenMP pool)."""
     state: AppState = app.state.translator
     state.check()  # a setting this machine cannot run fails start-up here, before serving anything
     tracing.configure()  # spans over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set (app/tracing.py)

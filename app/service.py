@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from app import timing
-from app.batching import BatchLimits, BatchScheduler, Job, Work
+from app.batching import BatchLimits, BatchScheduler, Job, ModelThread, Work
 from app.markup import Aligned
 from app.metrics import Metrics
 from app.segmentation import Segment, rejoin, segment, sentences
@@ -115,12 +115,14 @@ def kernel_plan(settings: Settings) -> KernelPlan:
 
 
 class LoadedModel:
-    """A checkpoint loaded once, with the batching scheduler (one model thread) that all the
-    directions it serves share: a many-to-many model's sentences of different directions
-    decode in the same batches (each source led by its target's tag). The scheduler's metrics
-    are labelled with the direction, or the folder's name for a many-to-many model."""
+    """A checkpoint loaded once, with the batching scheduler that all the directions it serves
+    share (its work runs on the process's one model thread, ``ModelThread``): a many-to-many
+    model's sentences of different directions decode in the same batches (each source led by
+    its target's tag). The scheduler's metrics are labelled with the direction, or the
+    folder's name for a many-to-many model."""
 
-    def __init__(self, path: Path, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, path: Path, settings: Settings, metrics: Metrics, thread: ModelThread | None = None) -> None:
+        """Loads the checkpoint on the calling thread: the service calls this on ``thread``."""
         self.device = resolve_device(settings.device)
         self.precision = resolve_precision(settings.dtype, self.device.type)
         self.ckpt = checkpoint.load(path, self.device, self.precision)
@@ -134,7 +136,7 @@ class LoadedModel:
             settings.max_batch_sentences, settings.max_batch_tokens, settings.max_wait_ms / 1000, settings.queue_size
         )
         self.scheduler = BatchScheduler(
-            self.translator.open_session, limits, metrics, self.label, on_idle=release_free_memory
+            self.translator.open_session, limits, metrics, self.label, on_idle=release_free_memory, thread=thread
         )
         self.metrics = metrics
 
@@ -150,9 +152,6 @@ class LoadedModel:
         ids = translator.encode(["Ein Mann fährt mit dem Fahrrad.", "Zwei Hunde spielen im Schnee."])
         for beam in (1, 4):
             translator.decode_batch(ids, DecodingOptions(beam_size=beam))
-
-    def close(self, timeout: float | None = None) -> None:
-        self.scheduler.close(timeout)
 
 
 class TranslationService:

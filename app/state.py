@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import signal
@@ -13,6 +14,7 @@ from types import FrameType
 import torch
 
 from app import timing
+from app.batching import ModelThread
 from app.detection import Detection, Detector, NotServed
 from app.errors import BAD_REQUEST, UNSUPPORTED_LANGUAGE, ApiError
 from app.files import file_store
@@ -39,6 +41,7 @@ class AppState:
         self.metrics = Metrics()
         self.rate_limiter = RateLimiter.from_settings(settings, self.metrics)
         self.models: list[LoadedModel] = []  # each checkpoint loaded once, with its scheduler
+        self.model_thread = ModelThread()  # all model work, every model's (app/batching.py)
         self.services: dict[tuple[str, str], TranslationService] = {}  # per direction served
         self.ready = threading.Event()
         self.load_error: str | None = None
@@ -61,7 +64,8 @@ class AppState:
         discover(self.settings.weights_dir, self.settings.load_only)
 
     def load(self) -> None:
-        """Load and warm up every checkpoint under the weights folder; then become ready."""
+        """Load and warm up every checkpoint under the weights folder, on the model thread;
+        then become ready."""
         try:
             if self.settings.threads:
                 torch.set_num_threads(self.settings.threads)
@@ -69,7 +73,9 @@ class AppState:
             bound_onednn_cache()
             paths = discover(self.settings.weights_dir, self.settings.load_only)
             for path, pairs in assign_directions(paths, self.settings.load_only).items():
-                loaded = LoadedModel(path, self.settings, self.metrics)
+                loaded = self.model_thread.run(
+                    functools.partial(LoadedModel, path, self.settings, self.metrics, self.model_thread)
+                )
                 self.models.append(loaded)
                 loaded.start()
                 for source, target in loaded.directions if pairs is None else pairs:
@@ -111,10 +117,9 @@ class AppState:
             task.cancel()
 
     def close(self) -> None:
-        """Finish what is queued (bounded by the drain timeout), then stop the workers."""
+        """Finish what is queued (bounded by the drain timeout), then stop the model thread."""
         self.start_draining()
-        for loaded in self.models:
-            loaded.close(self.settings.drain_timeout_s)
+        self.model_thread.close(self.settings.drain_timeout_s)
 
     def service(self, source: str, target: str) -> TranslationService:
         """The service of a language pair: 503 while loading, 400 for an unknown pair."""

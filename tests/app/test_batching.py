@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from app.batching import BatchLimits, BatchScheduler, Job
+from app.batching import BatchLimits, BatchScheduler, Job, ModelThread, SchedulerClosed
 from app.metrics import Metrics
 from model.data import pad
 from model.decoding import DecodingOptions, Finished, Hypothesis, decode
@@ -74,9 +74,15 @@ class Recorded(IdsSession):
 class Harness:
     """A scheduler over Recorded sessions of MODEL; the first can pause (``pause_before``)."""
 
-    def __init__(self, pause_before: Callable = lambda s: False, limits: BatchLimits = LIMITS) -> None:
+    def __init__(
+        self,
+        pause_before: Callable = lambda s: False,
+        limits: BatchLimits = LIMITS,
+        thread: ModelThread | None = None,
+        direction: str = "xx-yy",
+    ) -> None:
         self.log: list = []
-        self.idle: list[float] = []  # decoder steps run so far, each time the worker ran out of work
+        self.idle: list[float] = []  # decoder steps run so far, each time the model ran out of work
         self.sessions: list[Recorded] = []
         self.metrics = Metrics()
 
@@ -86,10 +92,10 @@ class Harness:
             return self.sessions[-1]
 
         def on_idle() -> None:
-            steps = self.metrics.registry.get_sample_value("translator_decode_steps_total", {"direction": "xx-yy"})
+            steps = self.metrics.registry.get_sample_value("translator_decode_steps_total", {"direction": direction})
             self.idle.append(steps or 0)
 
-        self.scheduler = BatchScheduler(open_session, limits, self.metrics, "xx-yy", on_idle=on_idle)
+        self.scheduler = BatchScheduler(open_session, limits, self.metrics, direction, on_idle=on_idle, thread=thread)
 
     def __enter__(self) -> Harness:
         self.scheduler.start()
@@ -166,14 +172,14 @@ def test_the_idle_hook_runs_when_the_work_runs_out_not_between_steps() -> None:
         jobs = h.scheduler.submit([LONG, SHORT], GREEDY)
         await asyncio.gather(*(result(j) for j in jobs))
         for _ in range(500):
-            if len(h.idle) > 1:
+            if h.idle:
                 break
             await asyncio.sleep(0.01)
 
     with Harness() as h:
         asyncio.run(scenario(h))
     steps = steps_alone(LONG, GREEDY)
-    assert h.idle == [0, steps], h.idle  # before the first job, and after the batch's last step
+    assert h.idle == [steps], h.idle  # once, after the batch's last step
 
 
 def test_an_idle_model_waits_for_company_only_when_it_is_expected() -> None:
@@ -405,3 +411,70 @@ def test_requests_that_can_never_fit_are_too_large_and_the_rest_retry_after_the_
         assert full.value.retry_after == 1
 
     asyncio.run(scenario())
+
+
+def test_models_on_one_model_thread_take_turns_step_by_step() -> None:
+    """Two models' schedulers on one ``ModelThread`` (the service's: one OpenMP pool for all
+    models): loading, warm-up and every step run on that thread; a short sentence of one model
+    is answered while the other model's long batch still decodes (they alternate steps); closing
+    the thread finishes what both had queued."""
+    thread = ModelThread("model")
+    seen: set[str] = set()
+
+    def pause_a(s: Recorded) -> bool:
+        seen.add(threading.current_thread().name)
+        return s.session.steps == 1
+
+    a_steps: list[int] = []  # model a's steps so far, at each step of model b
+
+    def note_b(s: Recorded) -> bool:
+        seen.add(threading.current_thread().name)
+        a_steps.append(a.sessions[0].session.steps)
+        return False
+
+    assert thread.run(lambda: threading.current_thread().name) == "model"
+    a = Harness(pause_before=pause_a, thread=thread, direction="aa-bb")
+    b = Harness(pause_before=note_b, thread=thread, direction="cc-dd")
+
+    async def scenario() -> tuple[list[Job], list[Job]]:
+        long_job = a.scheduler.submit([LONG], GREEDY)[0]
+        session = await a.paused()
+        short_job = b.scheduler.submit([SHORT], GREEDY)[0]
+        session.release.set()
+        assert same(await result(short_job), alone(SHORT, GREEDY))
+        assert not long_job.future.done()
+        assert same(await result(long_job), alone(LONG, GREEDY))
+        last = a.scheduler.submit([SHORT], GREEDY), b.scheduler.submit([LONG, SHORT], GREEDY)
+        await asyncio.to_thread(thread.close, 10)  # drains both before it stops
+        return last
+
+    a.scheduler.start(warm_up=lambda: seen.add(threading.current_thread().name))
+    b.scheduler.start()
+    try:
+        last_a, last_b = asyncio.run(scenario())
+    finally:
+        thread.close(timeout=10)
+    assert [
+        same(j.future.result(), alone(ids, GREEDY))
+        for j, ids in zip([*last_a, *last_b], [SHORT, LONG, SHORT], strict=True)
+    ] == [True] * 3
+    assert seen == {"model"}
+    short_steps = steps_alone(SHORT, GREEDY)
+    # b's first step came right after the step a was paused in, then they alternated
+    assert a_steps[:short_steps] == list(range(2, short_steps + 2))
+    with pytest.raises(SchedulerClosed):
+        thread.run(lambda: None)
+
+
+def test_a_task_on_the_model_thread_hands_back_its_error() -> None:
+    thread = ModelThread("model")
+
+    def broken() -> None:
+        raise ValueError("no such checkpoint")
+
+    try:
+        with pytest.raises(ValueError, match="no such checkpoint"):
+            thread.run(broken)
+        assert thread.run(lambda: 7) == 7  # the thread carries on
+    finally:
+        thread.close(timeout=5)
