@@ -53,8 +53,8 @@ def _tokens(pieces: Sequence[str], level: str) -> tuple[list[str], list[list[int
     return list(pieces), [[i] for i in range(len(pieces))]
 
 
-def build(result: AttentionResult, sel: Selection, max_cells: int) -> dict[str, Any]:
-    """Maps per kind as nested lists [layer][head][query][key] (4 decimals) plus the alignment."""
+def _axes(result: AttentionResult, sel: Selection) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
+    """The token lists (source, target, target input) and each kind's (query, key) groups."""
     src, src_groups = _tokens(result.source, sel.level)
     tgt, tgt_groups = _tokens(result.target, sel.level)
     tgt_in, tgt_in_groups = _tokens(result.target_input, sel.level)
@@ -63,6 +63,13 @@ def build(result: AttentionResult, sel: Selection, max_cells: int) -> dict[str, 
         "encoder": (src_groups, src_groups),
         "decoder": (tgt_groups, tgt_in_groups),
     }
+    return {"source_tokens": src, "target_tokens": tgt, "target_input_tokens": tgt_in}, axes
+
+
+def check_size(result: AttentionResult, sel: Selection, max_cells: int) -> None:
+    """400 ``payload_too_large`` when the selection holds more than ``max_cells`` values (no
+    tensor work: the event loop calls it before ``build`` runs on the model thread)."""
+    _, axes = _axes(result, sel)
     cells = sum(len(sel.layers) * len(sel.heads) * len(axes[k][0]) * len(axes[k][1]) for k in sel.kinds)
     if cells > max_cells:
         raise ApiError(
@@ -71,6 +78,14 @@ def build(result: AttentionResult, sel: Selection, max_cells: int) -> dict[str, 
             f"{cells} attention values requested (limit {max_cells}); "
             "ask for fewer layers, heads or kinds, or a shorter text",
         )
+
+
+def build(result: AttentionResult, sel: Selection, max_cells: int) -> dict[str, Any]:
+    """Maps per kind as nested lists [layer][head][query][key] (4 decimals) plus the alignment.
+    Tensor work: the service runs it on the model thread (``TranslationService.on_model_thread``)."""
+    check_size(result, sel, max_cells)
+    tokens, axes = _axes(result, sel)
+    src, tgt = tokens["source_tokens"], tokens["target_tokens"]
     layer_idx, head_idx = torch.tensor(sel.layers), torch.tensor(sel.heads)
     maps: dict[str, torch.Tensor] = {}
     for kind in set(sel.kinds) | {"cross"}:
@@ -84,9 +99,7 @@ def build(result: AttentionResult, sel: Selection, max_cells: int) -> dict[str, 
         maps[kind] = chosen
     attention = {k: maps[k].double().round(decimals=4).tolist() for k in sel.kinds}  # float64: 0.2584, not 0.25839999
     return {
-        "source_tokens": src,
-        "target_tokens": tgt,
-        "target_input_tokens": tgt_in,
+        **tokens,
         "layers": sel.layers,
         "heads": sel.heads,
         "attention": attention,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import math
@@ -145,7 +146,7 @@ class BatchLimits:
 
 
 class BatchScheduler:
-    """Batches the sentences of one model; its sessions run on a dedicated thread."""
+    """Batches the sentences of one model; its sessions run on the model thread (``ModelThread``)."""
 
     def __init__(
         self,
@@ -173,6 +174,7 @@ class BatchScheduler:
         self._cond = self.thread.cond  # one lock for the thread and all its schedulers
         self._closing = False
         self._idle_due = False  # work was done since ``on_idle`` last ran
+        self._busy = False  # a decision taken from ``_poll`` is being carried out
         self._rate = Throughput()  # sentences answered per second, for Retry-After
         self._arrivals = Throughput()  # sentences queued per second: is company worth waiting for?
 
@@ -189,14 +191,15 @@ class BatchScheduler:
         self.thread.add(self)
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish the jobs already queued (within ``timeout``), then take no more; a model
-        thread of its own stops."""
+        """Finish the jobs already queued (waiting up to ``timeout`` in all), then take no
+        more; a model thread of its own stops."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
         with self._cond:
             self._closing = True
             self._cond.notify_all()
             self._cond.wait_for(self._done, timeout)
         if self._owns_thread:
-            self.thread.close(timeout)
+            self.thread.close(None if deadline is None else max(0.0, deadline - time.perf_counter()))
 
     @property
     def depth(self) -> int:
@@ -225,7 +228,7 @@ class BatchScheduler:
         return jobs
 
     def call(self, fn: Callable[[], Any]) -> ModelCall:
-        """Run ``fn`` on the model thread between steps (exclusive use of the model)."""
+        """Run ``fn`` on the model thread between steps (every model waits meanwhile: keep it short)."""
         loop = asyncio.get_running_loop()
         call = ModelCall(fn, loop.create_future(), loop)
         self._enqueue([call])
@@ -255,12 +258,12 @@ class BatchScheduler:
             self._pending.extend(jobs)
             self._arrivals.add(sum(isinstance(job, Job) for job in jobs))
             self.metrics.queue_depth.inc(len(jobs))
-            self._cond.notify()
+            self._cond.notify_all()  # (the model thread; ``close`` callers share the condition)
 
     # --- the model thread -----------------------------------------------------------------
     def _done(self) -> bool:
         """Closing, and nothing of this model is left to do (lock held)."""
-        return self._closing and not self._pending and not self._running
+        return self._closing and not self._pending and not self._running and not self._busy
 
     def _poll(self, now: float) -> Decision | float | None:
         """What this model does next, decided under the lock without waiting: a decision; or
@@ -435,8 +438,9 @@ class ModelThread:
     def run(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the model thread (starting it if need be) before any other model
         work, and return what it returns or raise what it raises. Blocks: not for the event
-        loop, nor for the model thread itself."""
-        assert threading.current_thread() is not self._thread, "run() from the model thread would deadlock"
+        loop. On the model thread itself, ``fn`` just runs."""
+        if threading.current_thread() is self._thread:
+            return fn()
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self.cond:
             if self._closing:
@@ -449,8 +453,10 @@ class ModelThread:
         return future.result()
 
     def add(self, scheduler: BatchScheduler) -> None:
-        """The thread serves this scheduler from now on."""
+        """The thread serves this scheduler from now on (``SchedulerClosed`` once closing)."""
         with self.cond:
+            if self._closing:
+                raise SchedulerClosed("shutting down")
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
@@ -474,15 +480,25 @@ class ModelThread:
                 work = self._next()
             if work is None:
                 return
-            work()
+            scheduler, run = work
+            try:
+                run()
+            except Exception:  # (a decision's own errors go to its requests; this is a bug, not a model failure)
+                log.exception("model thread: unexpected error, carrying on")
+            if scheduler is not None:
+                with self.cond:
+                    scheduler._busy = False
+                    if scheduler._closing:
+                        self.cond.notify_all()  # (``BatchScheduler.close`` may wait for it)
 
-    def _next(self) -> Callable[[], None] | None:
-        """The next piece of work (lock held): a task from ``run`` first, else the next model
-        with something to do; waits while there is nothing; None once closed and drained."""
+    def _next(self) -> tuple[BatchScheduler | None, Callable[[], None]] | None:
+        """The next piece of work and whose it is (lock held): a task from ``run`` first, else
+        the next model with something to do; waits while there is nothing; None once closed
+        and drained."""
         while True:
             if self._tasks:
                 fn, future = self._tasks.popleft()
-                return lambda: _run_task(fn, future)
+                return None, functools.partial(_run_task, fn, future)
             now = time.perf_counter()
             wake = math.inf
             count = len(self._schedulers)
@@ -493,9 +509,8 @@ class ModelThread:
                     wake = min(wake, decision)
                 elif decision is not None:
                     self._turn = (self._turn + i + 1) % count
-                    return lambda: scheduler._execute(decision)
-            if any(s._closing for s in self._schedulers):
-                self.cond.notify_all()  # (someone may wait in ``BatchScheduler.close``)
+                    scheduler._busy = True
+                    return scheduler, functools.partial(scheduler._execute, decision)
             if self._closing and all(s._done() for s in self._schedulers):
                 return None
             self.cond.wait(None if wake == math.inf else max(0.0, wake - now))
@@ -538,7 +553,7 @@ def _deliver(job: Work, result: Any) -> None:
 
 def _deliver_all(answers: Sequence[tuple[Job, list[Hypothesis]]]) -> None:
     """Answer a step's sentences with one wake-up per event loop: each ``call_soon_threadsafe``
-    writes to the loop's self-pipe, a visible share of the batcher thread's time at 64 clients
+    writes to the loop's self-pipe, a visible share of the model thread's time at 64 clients
     (docs/benchmarks.md "Numbers behind the code")."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, list[Hypothesis]]]] = {}
     for job, result in answers:

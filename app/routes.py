@@ -10,6 +10,7 @@ locals, which FastAPI reads from the signatures at run time.)
 """
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -430,7 +431,9 @@ async def attention_maps(
     text, result = await until_disconnect(
         request, state, service.attention(payload.q, options, settings.request_timeout_s)
     )
-    maps = attention_view.build(result, sel, settings.attention_max_cells)
+    attention_view.check_size(result, sel, settings.attention_max_cells)
+    build = functools.partial(attention_view.build, result, sel, settings.attention_max_cells)
+    maps = await service.on_model_thread(build, settings.request_timeout_s)  # (milliseconds)
     timing.returned()
     return AttentionResponse(
         translatedText=text,

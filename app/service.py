@@ -4,15 +4,16 @@ and each direction it serves (``TranslationService``: text handling, limits, cac
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -31,6 +32,12 @@ from model.precision import resolve_precision
 from model.translator import AttentionResult, Translator
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# sentences aligned per model call (``translate_aligned``): a document's hundreds of sentences
+# would otherwise hold the model thread, and every other model, for one long call
+ALIGN_CHUNK = 8
 
 
 class TranslationError(Exception):
@@ -301,9 +308,21 @@ class TranslationService:
             for text, item in zip(sentences, items, strict=True)
         ]
         with timing.phase("align"):
-            call = self.scheduler.call(lambda: [None if p is None else self._align(*p) for p in pairs])
-            await self.wait([call], max(deadline - time.perf_counter(), 0.001))
-        return items, call.future.result()
+            # a few sentences per model call: other models take their turns in between
+            chunks = [pairs[i : i + ALIGN_CHUNK] for i in range(0, len(pairs), ALIGN_CHUNK)]
+            calls = [self.scheduler.call(functools.partial(self._align_all, chunk)) for chunk in chunks]
+            await self.wait(calls, max(deadline - time.perf_counter(), 0.001))
+        return items, [aligned for call in calls for aligned in call.future.result()]
+
+    async def on_model_thread(self, fn: Callable[[], T], timeout: float) -> T:
+        """``fn()`` run on the model thread between steps: torch work belongs there (one OpenMP
+        pool per process, ``app.batching.ModelThread``)."""
+        call = self.scheduler.call(fn)
+        await self.wait([call], timeout)
+        return cast(T, call.future.result())
+
+    def _align_all(self, pairs: Sequence[tuple[str, SentenceResult] | None]) -> list[Aligned | None]:
+        return [None if p is None else self._align(*p) for p in pairs]
 
     def _align(self, text: str, sentence: SentenceResult) -> Aligned | None:
         tokenizer = self.translator.tokenizer

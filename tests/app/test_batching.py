@@ -1,5 +1,5 @@
 """The batch scheduler on its own, driving real decoding sessions of a tiny random model:
-the worker thread owns the model from warm-up on, sentences join a running batch between
+the model thread owns the model from warm-up on, sentences join a running batch between
 decoder steps and leave it the step they are done."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def never_opened(options: DecodingOptions) -> IdsSession:
     raise AssertionError("no batch was started")
 
 
-def test_warm_up_runs_on_the_worker_thread_before_start_returns() -> None:
+def test_warm_up_runs_on_the_model_thread_before_start_returns() -> None:
     seen: list[str] = []
 
     def warm_up() -> None:
@@ -53,7 +53,7 @@ def test_a_failing_warm_up_fails_start() -> None:
 
 class Recorded(IdsSession):
     """A real session that records its admissions (the step they came at) and can pause the
-    worker before a step, while ``pause_before(session)`` holds, until released."""
+    model thread before a step, while ``pause_before(session)`` holds, until released."""
 
     def __init__(self, model: Transformer, options: DecodingOptions, log: list, pause_before: Callable) -> None:
         super().__init__(model, options)
@@ -67,7 +67,7 @@ class Recorded(IdsSession):
     def step(self) -> list[Finished]:
         if self.pause_before(self) and not self.release.is_set():
             self.paused.set()
-            assert self.release.wait(10), "the test never released the worker"
+            assert self.release.wait(10), "the test never released the model thread"
         return super().step()
 
 
@@ -107,13 +107,13 @@ class Harness:
         self.scheduler.close(timeout=10)
 
     async def paused(self) -> Recorded:
-        """The session the worker is paused in, once it is."""
+        """The session the model thread is paused in, once it is."""
         for _ in range(1000):
             for s in self.sessions:
                 if s.paused.is_set():
                     return s
             await asyncio.sleep(0.01)
-        raise AssertionError("the worker never paused")
+        raise AssertionError("the model thread never paused")
 
     def sample(self, name: str) -> float:
         value = self.metrics.registry.get_sample_value(name, {"direction": "xx-yy"} if "steps" in name else None)
@@ -252,7 +252,7 @@ def test_other_options_wait_for_the_running_batch_to_drain() -> None:
 
 def test_a_model_call_runs_between_steps_of_the_running_batch() -> None:
     """A model call (``call``, as /attention's maps) runs at the next step boundary, on the
-    worker thread, ahead of jobs queued after it; the running batch then carries on."""
+    model thread, ahead of jobs queued after it; the running batch then carries on."""
     ran: list[tuple[str, int]] = []
 
     async def scenario(h: Harness) -> None:
@@ -330,7 +330,7 @@ def test_decode_steps_count_model_steps_not_sentences() -> None:
         asyncio.run(scenario(h))
     expected = max(steps_alone(SHORT, GREEDY), steps_alone([9, 10, 11], GREEDY))
     assert h.sample("translator_decode_steps_total") == expected
-    assert torch.is_grad_enabled()  # the worker's inference mode did not leak
+    assert torch.is_grad_enabled()  # the model thread's inference mode did not leak
 
 
 MID = [*SHORT, 7, 8, 9]
@@ -478,3 +478,55 @@ def test_a_task_on_the_model_thread_hands_back_its_error() -> None:
         assert thread.run(lambda: 7) == 7  # the thread carries on
     finally:
         thread.close(timeout=5)
+
+
+def test_an_unexpected_error_on_the_model_thread_does_not_stop_the_other_models() -> None:
+    """An idle hook that raises (a bug, not a model failure) is logged; the thread, and every
+    model on it, carries on."""
+    thread = ModelThread("model")
+
+    def broken_hook() -> None:
+        raise RuntimeError("bug in the idle hook")
+
+    a = BatchScheduler(Harness().scheduler.open_session, LIMITS, Metrics(), "aa-bb", on_idle=broken_hook, thread=thread)
+    b = Harness(thread=thread, direction="cc-dd")
+
+    async def scenario() -> None:
+        assert same(await result(a.submit([SHORT], GREEDY)[0]), alone(SHORT, GREEDY))  # then the hook raises
+        assert same(await result(b.scheduler.submit([LONG], GREEDY)[0]), alone(LONG, GREEDY))
+        assert same(await result(a.submit([LONG], GREEDY)[0]), alone(LONG, GREEDY))
+
+    a.start()
+    b.scheduler.start()
+    try:
+        asyncio.run(scenario())
+        assert thread.run(lambda: thread.run(lambda: 5)) == 5  # (on the model thread itself, run just runs)
+    finally:
+        thread.close(timeout=10)
+    with pytest.raises(SchedulerClosed):
+        thread.add(BatchScheduler(never_opened, LIMITS, Metrics(), "ee-ff", thread=thread))
+
+
+def test_closing_one_model_returns_when_its_own_work_is_done() -> None:
+    """``BatchScheduler.close`` on a shared thread waits for its model's queue, not for the
+    other models' batches."""
+    thread = ModelThread("model")
+    one_at_a_time = BatchLimits(max_sentences=1, max_tokens=1000, max_wait_s=0.0, queue_size=100)
+    a = Harness(thread=thread, direction="aa-bb")
+    b = Harness(thread=thread, direction="cc-dd", limits=one_at_a_time)
+
+    async def scenario() -> None:
+        b_jobs = b.scheduler.submit([LONG] * 4, GREEDY)  # ~4 x 63 steps, one sentence after another
+        job = a.scheduler.submit([SHORT], GREEDY)[0]
+        await asyncio.to_thread(a.scheduler.close, 10)
+        assert same(await result(job), alone(SHORT, GREEDY))
+        assert not b_jobs[-1].future.done()  # b has most of its work ahead of it
+        for b_job in b_jobs:
+            assert same(await result(b_job), alone(LONG, GREEDY))
+
+    a.scheduler.start()
+    b.scheduler.start()
+    try:
+        asyncio.run(scenario())
+    finally:
+        thread.close(timeout=10)
