@@ -188,6 +188,7 @@ class BatchScheduler:
                 if self._owns_thread:
                     self.thread.close()
                 raise
+        self._idle_due = True  # the idle hook runs once first: loading and warm-up leave free heap behind
         self.thread.add(self)
 
     def close(self, timeout: float | None = None) -> None:
