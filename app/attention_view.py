@@ -69,7 +69,10 @@ def _axes(result: AttentionResult, sel: Selection) -> tuple[dict[str, Any], dict
 def check_size(result: AttentionResult, sel: Selection, max_cells: int) -> None:
     """400 ``payload_too_large`` when the selection holds more than ``max_cells`` values (no
     tensor work: the event loop calls it before ``build`` runs on the model thread)."""
-    _, axes = _axes(result, sel)
+    _check_cells(_axes(result, sel)[1], sel, max_cells)
+
+
+def _check_cells(axes: dict[str, tuple[Any, Any]], sel: Selection, max_cells: int) -> None:
     cells = sum(len(sel.layers) * len(sel.heads) * len(axes[k][0]) * len(axes[k][1]) for k in sel.kinds)
     if cells > max_cells:
         raise ApiError(
@@ -83,8 +86,8 @@ def check_size(result: AttentionResult, sel: Selection, max_cells: int) -> None:
 def build(result: AttentionResult, sel: Selection, max_cells: int) -> dict[str, Any]:
     """Maps per kind as nested lists [layer][head][query][key] (4 decimals) plus the alignment.
     Tensor work: the service runs it on the model thread (``TranslationService.on_model_thread``)."""
-    check_size(result, sel, max_cells)
     tokens, axes = _axes(result, sel)
+    _check_cells(axes, sel, max_cells)
     src, tgt = tokens["source_tokens"], tokens["target_tokens"]
     layer_idx, head_idx = torch.tensor(sel.layers), torch.tensor(sel.heads)
     maps: dict[str, torch.Tensor] = {}

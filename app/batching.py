@@ -448,9 +448,7 @@ class ModelThread:
                 raise SchedulerClosed("shutting down")
             self._tasks.append((fn, future))
             self.cond.notify_all()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                self._thread.start()
+            self._start()
         return future.result()
 
     def add(self, scheduler: BatchScheduler) -> None:
@@ -458,11 +456,15 @@ class ModelThread:
         with self.cond:
             if self._closing:
                 raise SchedulerClosed("shutting down")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                self._thread.start()
+            self._start()
             self._schedulers.append(scheduler)
             self.cond.notify_all()
+
+    def _start(self) -> None:
+        """Start the thread if it is not running yet (lock held)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
 
     def close(self, timeout: float | None = None) -> None:
         """Every scheduler finishes what it has queued, then the thread stops (waits up to

@@ -291,9 +291,9 @@ class TranslationService:
         record_sentence_phases(jobs)
         hyp = jobs[0].future.result()[0]
         with timing.phase("maps"):
-            call = self.scheduler.call(lambda: self.translator.attention(src_ids, hyp.ids))
-            await self.wait([call], max(deadline - time.perf_counter(), 0.001))
-        return self.translator.tokenizer.decode([hyp.ids])[0], call.future.result()
+            maps = functools.partial(self.translator.attention, src_ids, hyp.ids)
+            result = await self.on_model_thread(maps, max(deadline - time.perf_counter(), 0.001))
+        return self.translator.tokenizer.decode([hyp.ids])[0], result
 
     async def translate_aligned(
         self, sentences: Sequence[str], options: DecodingOptions, timeout: float

@@ -148,6 +148,18 @@ def same(got: list[Hypothesis], expected: list[Hypothesis]) -> bool:
     )
 
 
+async def short_passes_long(long_to: Harness, short_to: Harness) -> None:
+    """LONG goes to ``long_to``'s scheduler, which pauses in its batch; SHORT goes to
+    ``short_to``'s meanwhile and is answered while LONG still decodes; both as alone."""
+    long_job = long_to.scheduler.submit([LONG], GREEDY)[0]
+    session = await long_to.paused()
+    short_job = short_to.scheduler.submit([SHORT], GREEDY)[0]
+    session.release.set()
+    assert same(await result(short_job), alone(SHORT, GREEDY))
+    assert not long_job.future.done()
+    assert same(await result(long_job), alone(LONG, GREEDY))
+
+
 def test_each_sentence_is_delivered_as_soon_as_it_is_done() -> None:
     """A short sentence's request is answered while its batch still decodes a long one."""
 
@@ -212,13 +224,7 @@ def test_sentences_join_a_running_batch_between_steps() -> None:
     waiting for it to finish, and gets the same translation as alone."""
 
     async def scenario(h: Harness) -> None:
-        long_job = h.scheduler.submit([LONG], GREEDY)[0]
-        session = await h.paused()
-        short_job = h.scheduler.submit([SHORT], GREEDY)[0]
-        session.release.set()
-        assert same(await result(short_job), alone(SHORT, GREEDY))
-        assert not long_job.future.done()
-        assert same(await result(long_job), alone(LONG, GREEDY))
+        await short_passes_long(h, h)
 
     with Harness(pause_before=lambda s: s.session.steps == 3) as h:
         asyncio.run(scenario(h))
@@ -437,13 +443,7 @@ def test_models_on_one_model_thread_take_turns_step_by_step() -> None:
     b = Harness(pause_before=note_b, thread=thread, direction="cc-dd")
 
     async def scenario() -> tuple[list[Job], list[Job]]:
-        long_job = a.scheduler.submit([LONG], GREEDY)[0]
-        session = await a.paused()
-        short_job = b.scheduler.submit([SHORT], GREEDY)[0]
-        session.release.set()
-        assert same(await result(short_job), alone(SHORT, GREEDY))
-        assert not long_job.future.done()
-        assert same(await result(long_job), alone(LONG, GREEDY))
+        await short_passes_long(a, b)
         last = a.scheduler.submit([SHORT], GREEDY), b.scheduler.submit([LONG, SHORT], GREEDY)
         await asyncio.to_thread(thread.close, 10)  # drains both before it stops
         return last
