@@ -85,6 +85,7 @@ BENCHMARKS = {
     "detect": "language detectors compared on Multi30k: accuracy, latency, memory",
     "batching": "static against continuous batching in one process",
     "kernels": "per-call time of each linear kernel at the shipped model's shapes",
+    "compile_step": "the small-batch decoder step eager against torch.compile (inductor)",
     "plot": "charts of bench load and bench decode lines (docs/benchmarks.md's pictures)",
 }
 
