@@ -30,11 +30,11 @@ def test_the_twin_step_computes_the_networks_teacher_forced_logits(overrides: di
     with torch.inference_mode():
         memory, mask, _ = model.encode(src)
         reference, _, _ = model.decode(tokens, memory, mask)
-        twin = StaticCache(model, src, 1, slots=8).run(functional_step(model), tokens)
+        twin = StaticCache(model, memory, 1, slots=8).run(functional_step(model), tokens)
         assert twin.shape == reference.shape
         torch.testing.assert_close(twin, reference, atol=1e-4, rtol=1e-4)
         # rows are independent: the same tokens in 3 rows give the same logits in each
-        rows = StaticCache(model, src, 3, slots=8).run(functional_step(model), tokens.expand(3, -1))
+        rows = StaticCache(model, memory, 3, slots=8).run(functional_step(model), tokens.expand(3, -1))
         torch.testing.assert_close(rows, reference.expand(3, -1, -1), atol=1e-4, rtol=1e-4)
 
 
