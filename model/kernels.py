@@ -438,22 +438,34 @@ def release_float_weights(model: nn.Module, keep: Iterable[torch.Tensor] = ()) -
         if not isinstance(weight, nn.Parameter) or id(weight) in kept:
             continue
         bias = getattr(module, "bias", None)
-        if isinstance(kernel, Int8Kernel):
-            packed = _pack_int8(weight.detach(), None if bias is None else bias.detach())
-            setattr(module, "kernel", PackedInt8(packed, kernel.reduce_range))  # noqa: B010 (see install)
-            names: tuple[str, ...] = ("weight", "bias")
-        elif kernel is onednn and weight.dtype == torch.float32:
-            onednn_packed = _pack_onednn(weight.detach())
-            setattr(module, "kernel", PackedOneDNN(onednn_packed, None if bias is None else bias.detach()))  # noqa: B010
-            names = ("weight",)
-        else:
+        packed = packed_kernel(kernel, weight, bias)
+        if packed is None:
             continue
+        setattr(module, "kernel", packed)  # noqa: B010 (see install)
+        names: tuple[str, ...] = ("weight", "bias") if isinstance(packed, PackedInt8) else ("weight",)
         for name in names:
             tensor = getattr(module, name)
             if tensor is not None:
                 released += tensor.numel() * tensor.element_size()
                 setattr(module, name, nn.Parameter(torch.empty_like(tensor, device="meta"), requires_grad=False))
     return released
+
+
+def packed_kernel(kernel: object, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedInt8 | PackedOneDNN | None:
+    """The kernel that runs a layer of ``kernel`` from a packed copy of ``weight`` (and ``bias``)
+    alone, without reading them again: ``PackedInt8`` for ``Int8Kernel``, ``PackedOneDNN`` for
+    float32 on ``onednn``; None where the layer has no such kernel (it keeps reading its weight)."""
+    b = None if bias is None else bias.detach()
+    if isinstance(kernel, Int8Kernel):
+        return PackedInt8(_pack_int8(weight.detach(), b), kernel.reduce_range)
+    if kernel is onednn and weight.dtype == torch.float32:
+        return PackedOneDNN(_pack_onednn(weight.detach()), b)
+    return None
+
+
+def is_packed(kernel: object) -> bool:
+    """Whether ``kernel`` runs from its own packed copy (the weight it is called with is a placeholder)."""
+    return isinstance(kernel, PackedInt8 | PackedOneDNN)
 
 
 def int8(reduce_range: bool) -> LinearKernel:

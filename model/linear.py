@@ -35,7 +35,7 @@ def linear(
     (followed by ReLU when ``relu``: the packed kernels fuse it)."""
     if uses_kernels(x.device):
         return kernel(x, weight, bias, relu)
-    if weight.is_meta and not x.is_meta:
+    if (weight.is_meta or kernels.is_packed(kernel)) and not x.is_meta:
         raise RuntimeError(
             "this layer's float weights were released for inference on packed copies "
             "(model.kernels.release_float_weights): it runs on the CPU in inference mode only; "

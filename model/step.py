@@ -160,7 +160,10 @@ class DecoderStep:
             where = self.positions[length]  # (D,)
         else:
             where = self.positions[positions]  # (R, D)
-        x = torch.add(where.to(self.tokens.dtype), F.embedding(tokens, self.tokens), alpha=self.embed_scale)  # (R, D)
+        embedded = F.embedding(tokens, self.tokens)
+        if embedded.dtype != where.dtype:  # a float16 lookup table (checkpoint.release_output_projection)
+            embedded = embedded.to(where.dtype)
+        x = torch.add(where, embedded, alpha=self.embed_scale)  # (R, D)
         d = x.shape[1]
         cross_bias = self._memory_bias(memory_mask, x.dtype)
         self_bias = None if self_mask is None else additive_mask(self_mask, h, x.dtype)

@@ -80,11 +80,13 @@ class Embedding(nn.Module):
         end = offset + ids.shape[1]
         if positions is None and end > self.max_positions:
             raise ValueError(f"sequence of {end} positions exceeds max_positions {self.max_positions}")
-        x = self.tokens(ids) * self.scale
         table = self.learned.weight if self.learned is not None else self.table
         assert table is not None
         where = table[offset:end] if positions is None else table[positions][:, None]  # (T, D) | (B, 1, D)
-        return dropout(self.dropout, x + where.to(x.dtype))
+        x = self.tokens(ids)
+        if x.dtype != where.dtype:  # a float16 lookup table (checkpoint.release_output_projection)
+            x = x.to(where.dtype)
+        return dropout(self.dropout, x * self.scale + where)
 
 
 class FeedForward(nn.Module):

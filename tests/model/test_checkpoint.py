@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import checkpoint
+from model import checkpoint, kernels
 from model.checkpoint import CheckpointError
 from model.decoding import DecodingOptions
+from model.kernels import UnsupportedPrecision
 from model.tokenizer import Tokenizer
+from model.transformer import Transformer
 from model.translator import Translator
 from tests.factories import tiny_config
 
@@ -26,8 +28,6 @@ def copy_of(folder: Path, tmp_path: Path) -> Path:
 
 
 def test_round_trip_gives_identical_outputs(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
-    from model.transformer import Transformer
-
     torch.manual_seed(0)
     model = Transformer(tiny_config(tiny_tokenizer.vocab_size)).eval()
     checkpoint.save(tmp_path / "c", model, tiny_tokenizer, {"source_lang": "de", "target_lang": "en"})
@@ -60,7 +60,45 @@ def test_fp16_storage_halves_the_file(tmp_path: Path, tiny_weights_dir: Path) ->
     full = (tiny_weights_dir / "de-en" / checkpoint.WEIGHTS).stat().st_size
     half = (tmp_path / "h" / checkpoint.WEIGHTS).stat().st_size
     assert half < 0.6 * full
-    assert checkpoint.load(tmp_path / "h").model.src_embed.tokens.weight.dtype == torch.float32
+    assert checkpoint.load(tmp_path / "h", keep_float_weights=True).model.src_embed.tokens.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("precision", ["float32", "int8"])
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("stored", [torch.float16, torch.float32])
+def test_inference_reads_the_embeddings_once_and_in_float16_where_exact(
+    tmp_path: Path, tiny_tokenizer: Tokenizer, precision: str, tied: bool, stored: torch.dtype
+) -> None:
+    """Loaded for inference on packed kernels, the output projection runs on a packed copy of
+    its own: an untied output matrix is released, and the token embeddings, read by lookups
+    only, are kept in float16 where that holds them exactly (a checkpoint stored in float16),
+    else in float32. Logits and translations are those of the float weights, bit for bit."""
+    try:
+        plan = kernels.choose("cpu", precision)
+    except UnsupportedPrecision:
+        pytest.skip(f"{precision} does not run on this CPU")
+    if plan.kernel == "aten":
+        pytest.skip(f"{precision} runs F.linear on this CPU: nothing is packed")
+    torch.manual_seed(3)
+    model = Transformer(tiny_config(tiny_tokenizer.vocab_size, share_embeddings=tied)).eval()
+    checkpoint.save(tmp_path / "c", model, tiny_tokenizer, {"source_lang": "de", "target_lang": "en"}, dtype=stored)
+    full = checkpoint.load(tmp_path / "c", precision=precision, keep_float_weights=True).model
+    lean = checkpoint.load(tmp_path / "c", precision=precision).model
+
+    assert kernels.is_packed(lean.kernel)
+    assert (lean.output is None) == tied and (tied or lean.output_matrix().is_meta)
+    lookups = {lean.src_embed.tokens.weight.dtype, lean.tgt_embed.tokens.weight.dtype}
+    assert lookups == {torch.float16 if stored == torch.float16 else torch.float32}
+    src, tgt = torch.tensor([[5, 6, 7, 3], [9, 3, 0, 0]]), torch.tensor([[2, 8, 9], [2, 4, 0]])
+    with torch.inference_mode():
+        assert torch.equal(lean(src, tgt), full(src, tgt))
+    for beam in (1, 3):
+        opts = DecodingOptions(beam_size=beam, n_best=beam)
+        assert Translator(lean, tiny_tokenizer).translate(SENTENCES, opts) == Translator(
+            full, tiny_tokenizer
+        ).translate(SENTENCES, opts)
+    with pytest.raises(RuntimeError, match="released for inference"):  # with gradients: not a dtype error
+        lean.logits(torch.zeros(1, lean.config.d_model))
 
 
 def test_large_weights_are_written_in_shards_under_the_limit(
