@@ -193,10 +193,11 @@ def load(
     """Load and validate a checkpoint folder onto ``device`` for inference at ``precision``
     (float32, bfloat16, float16 or int8; eval mode), with the linear kernels ``kernels.choose``
     picks for it and this CPU (or ``features``). Layers that run on packed copies (int8, float32
-    on oneDNN) give their float weights up (``kernels.release_float_weights``), so the model is
-    for inference only; ``keep_float_weights`` keeps them (converters and tools that read the
-    weights). Raises ``kernels.UnsupportedPrecision`` before reading anything when the
-    precision cannot run here."""
+    on oneDNN) give their float weights up (``kernels.release_float_weights``; the output
+    projection too, its embeddings kept for the lookups, in float16 where exact:
+    ``release_output_projection``), so the model is for inference only; ``keep_float_weights``
+    keeps them (converters and tools that read the weights). Raises
+    ``kernels.UnsupportedPrecision`` before reading anything when the precision cannot run here."""
     plan = kernels.choose(device, precision, features)
     path = Path(path)
     if not path.is_dir():
