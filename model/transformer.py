@@ -191,6 +191,7 @@ class Transformer(nn.Module):
             tgt_tokens = nn.Embedding(config.tgt_vocab_size, d, padding_idx=config.pad_id)
         self.src_embed = Embedding(src_tokens, config)
         self.tgt_embed = Embedding(tgt_tokens, config)
+        self.tgt_embed.table = self.src_embed.table  # one sinusoidal table for both (None: learned)
         self.encoder_layers = cast(
             list[EncoderLayer], nn.ModuleList(EncoderLayer(config) for _ in range(config.encoder_layers))
         )

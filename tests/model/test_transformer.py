@@ -53,6 +53,14 @@ def test_embedding_scale_and_sinusoids() -> None:
     assert torch.allclose(table[3, 0], torch.sin(torch.tensor(3.0)))
 
 
+def test_encoder_and_decoder_read_one_position_table() -> None:
+    """The sinusoidal table is one buffer for both embeddings (the same values), kept shared by
+    a move to the CPU in float32; learned positions have none."""
+    model = make_model().to("cpu", torch.float32)
+    assert model.src_embed.table is not None and model.src_embed.table is model.tgt_embed.table
+    assert make_model(positions="learned").tgt_embed.table is None
+
+
 def test_config_rejects_nonsense() -> None:
     with pytest.raises(ValueError, match="divisible"):
         ModelConfig(100, 100, d_model=30, n_heads=4)
