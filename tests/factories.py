@@ -8,13 +8,16 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.main import create_app
 from app.settings import Settings
+from model import kernels
 from model.config import ModelConfig
+from model.kernels import KernelPlan, UnsupportedPrecision
 from model.transformer import Transformer
 
 V = 60  # make_model's vocabulary: ids 0-3 are the specials (pad, unk, bos, eos)
@@ -37,6 +40,18 @@ def tiny_config(vocab: int, **overrides: object) -> ModelConfig:
     )
     base.update(overrides)
     return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+def packed_plan(precision: str) -> KernelPlan:
+    """This CPU's kernel plan for ``precision``; the test is skipped where it cannot run or
+    runs ``F.linear`` (nothing packed, nothing released)."""
+    try:
+        plan = kernels.choose("cpu", precision)
+    except UnsupportedPrecision:
+        pytest.skip(f"{precision} does not run on this CPU")
+    if plan.kernel == "aten":
+        pytest.skip(f"{precision} runs F.linear on this CPU: nothing is packed, nothing released")
+    return plan
 
 
 def make_model(seed: int = 0, vocab: int = V, **overrides: object) -> Transformer:

@@ -12,11 +12,10 @@ import torch
 from model import checkpoint, kernels
 from model.checkpoint import CheckpointError
 from model.decoding import DecodingOptions
-from model.kernels import UnsupportedPrecision
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from model.translator import Translator
-from tests.factories import tiny_config
+from tests.factories import packed_plan, tiny_config
 
 SENTENCES = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee auf einer Wiese."]
 
@@ -73,12 +72,7 @@ def test_inference_reads_the_embeddings_once_and_in_float16_where_exact(
     its own: an untied output matrix is released, and the token embeddings, read by lookups
     only, are kept in float16 where that holds them exactly (a checkpoint stored in float16),
     else in float32. Logits and translations are those of the float weights, bit for bit."""
-    try:
-        plan = kernels.choose("cpu", precision)
-    except UnsupportedPrecision:
-        pytest.skip(f"{precision} does not run on this CPU")
-    if plan.kernel == "aten":
-        pytest.skip(f"{precision} runs F.linear on this CPU: nothing is packed")
+    packed_plan(precision)
     torch.manual_seed(3)
     model = Transformer(tiny_config(tiny_tokenizer.vocab_size, share_embeddings=tied)).eval()
     checkpoint.save(tmp_path / "c", model, tiny_tokenizer, {"source_lang": "de", "target_lang": "en"}, dtype=stored)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from model import checkpoint, kernels
 from model.kernels import AVX2_ONLY, AVX512_BF16, BASELINE, CpuFeatures, UnsupportedPrecision
 from model.linear import Linear, linear
+from tests.factories import packed_plan
 
 HERE = kernels.detected()
 SIMULATED = {"avx512-bf16": AVX512_BF16, "avx512-no-bf16": CpuFeatures(True, True, True), "avx2": AVX2_ONLY,
@@ -362,12 +363,7 @@ def test_releasing_float_weights_keeps_what_is_read_elsewhere(tied: bool, precis
     from model.config import ModelConfig
     from model.transformer import Transformer
 
-    try:
-        plan = kernels.choose("cpu", precision)
-    except UnsupportedPrecision:
-        pytest.skip(f"{precision} does not run on this CPU")
-    if plan.kernel == "aten":
-        pytest.skip(f"{precision} runs F.linear on this CPU: nothing is packed, nothing released")
+    plan = packed_plan(precision)
     torch.manual_seed(5)
     cfg = ModelConfig(src_vocab_size=50, tgt_vocab_size=50, d_model=32, n_heads=2, encoder_layers=1,
                       decoder_layers=1, d_ff=64, share_embeddings=tied)  # fmt: skip
