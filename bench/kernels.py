@@ -3,8 +3,8 @@
     python -m bench.kernels [--threads 2] [--rows 1,4,16,64,256] [--calls 200] [--step]
 
 One JSON line per (layer shape, rows): microseconds per call of ``aten`` (``F.linear``),
-``onednn`` (packed weights; its one-row fallback off, to show what it replaces) and
-``fbgemm-int8``, where this CPU can run them (``model.kernels.choose``). The shapes are the
+``wx`` (MKL as W·xᵀ), ``onednn`` (packed weights; its one-row fallback off, to show what it
+replaces) and ``fbgemm-int8``, where this CPU can run them (``model.kernels.choose``). The shapes are the
 decoder's: fused QKV (768 x 256), attention output (256 x 256), feed-forward (1024 x 256,
 256 x 1024) and the tied output projection (8000 x 256). ``isa`` names the kernel path the
 CPU features (and the ISA caps in the environment) select.
@@ -13,7 +13,8 @@ CPU features (and the ISA caps in the environment) select.
 (3 layers x QKV, self-attention output, cross-attention query and output, two feed-forward;
 then the output projection), each used once in turn, so their weights stream from memory as in
 decoding rather than staying hot in cache. One JSON line per row count: milliseconds per step
-of each kernel.
+of each kernel, and ``planned_ms``: float32 as ``kernels.choose`` plans it here (the 18 layer
+matrices on the plan's ``step`` kernel, the output projection on its ``kernel``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step", action="store_true", help="a decoder step's 19 matrices in turn, per step")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    runnable: dict[str, kernels.LinearKernel] = {"aten": kernels.aten}
+    runnable: dict[str, kernels.LinearKernel] = {"aten": kernels.aten, "wx": kernels.wx}
     if kernels.choose("cpu", "float32").kernel == "onednn":
         runnable["onednn"] = packed_onednn
     with contextlib.suppress(kernels.UnsupportedPrecision):  # no AVX2: no int8 row
@@ -95,6 +96,17 @@ def step_rows(runnable: dict[str, kernels.LinearKernel], row_counts: list[int], 
                     kernel(inputs[weight.shape[1]], weight, bias, False)
 
             row[f"{name}_ms"] = round(per_call_us(step, steps) / 1000, 3)
+        plan = kernels.choose("cpu", "float32")
+        planned = [packed_onednn if k == "onednn" else kernels.kernel_for(plan, k) for k in (plan.step, plan.kernel)]
+
+        def planned_step(
+            inputs: dict[int, torch.Tensor] = inputs, planned: list[kernels.LinearKernel] = planned
+        ) -> None:
+            for i, (weight, bias) in enumerate(layers):
+                planned[i == len(layers) - 1](inputs[weight.shape[1]], weight, bias, False)
+
+        row["planned_ms"] = round(per_call_us(planned_step, steps) / 1000, 3)
+        row["planned"] = plan.describe()
         print(json.dumps(row), flush=True)
 
 

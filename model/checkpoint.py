@@ -215,7 +215,7 @@ def load(
     model = Transformer(config)
     load_weights(model, path)
     model.to(device=device, dtype=plan.dtype).eval()
-    kernels.install(model, plan)
+    kernels.install(model, plan, model.step_linears())
     # the packed copies are all the layers read: one copy of their weights, not two
     if plan.kernel in ("fbgemm-int8", "onednn") and not keep_float_weights:
         released = kernels.release_float_weights(model, keep=[model.output_matrix()])

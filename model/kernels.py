@@ -7,6 +7,7 @@ CPU flags. ``choose`` maps (device, precision, CPU features) to a ``KernelPlan``
 | precision | CPU has | kernel | why |
 | --- | --- | --- | --- |
 | float32 | AVX2 (x86) | ``onednn`` | oneDNN matmul on weights packed once: 2-3x MKL's sgemm at 4-256 rows |
+| float32, step layers | AVX2, not AVX-512 | ``wx`` | MKL's sgemm as W·xᵀ: faster at 1-16 rows, as fast at 64+ |
 | float32 | no AVX2 | ``aten`` | ``F.linear``; torch's oneDNN weight packing is only trusted on x86 |
 | bfloat16 | AVX-512 BW/VL/DQ or AVX-NE-CONVERT | ``onednn`` | what torch's oneDNN bf16 reorder requires |
 | bfloat16 | less | ``aten`` | works, slowly; logged once at load |
@@ -21,9 +22,12 @@ narrowed by the ISA caps users set for the libraries (``ONEDNN_MAX_CPU_ISA``,
 ``ATEN_CPU_CAPABILITY``), so a capped run also takes the capped path. Tests build
 ``CpuFeatures`` by hand to drive every row of the table on any machine.
 
-A float32 model loaded for inference then keeps the packed copies only (``PackedOneDNN``,
-``release_float_weights``). Measured per-call times behind the choices: docs/benchmarks.md
-"Linear kernels".
+The decoder step's layers (``Transformer.step_linears``: every layer a decoder step runs but
+the output projection) take the plan's ``step_kernel`` where it differs. A float32 model loaded
+for inference then keeps one copy of each weight: the packed copy where oneDNN runs it
+(``PackedOneDNN``, ``release_float_weights``), the float weight where ``wx`` reads it.
+Measured per-call times behind the choices: docs/benchmarks.md "Linear kernels" and "The
+decoder step's layers through MKL".
 """
 
 from __future__ import annotations
@@ -139,6 +143,9 @@ def detected() -> CpuFeatures:
     return CpuFeatures.detect()
 
 
+KernelName = Literal["onednn", "aten", "fbgemm-int8", "wx"]
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     """What runs the linear layers of one model: ``kernel`` on ``dtype`` parameters."""
@@ -146,13 +153,20 @@ class KernelPlan:
     device: str
     precision: Precision
     dtype: torch.dtype  # of the parameters (int8: float32, packed to int8 and then released: release_float_weights)
-    kernel: Literal["onednn", "aten", "fbgemm-int8"]
+    kernel: KernelName
     isa: str
     reduce_range: bool = False  # int8: 7-bit activations, so AVX2's 16-bit accumulation cannot saturate
     warning: str | None = None  # logged once when the plan is installed
+    step_kernel: KernelName | None = None  # the decoder step's layers, where not ``kernel``
+
+    @property
+    def step(self) -> KernelName:
+        """The kernel of the decoder step's layers (``Transformer.step_linears``)."""
+        return self.step_kernel or self.kernel
 
     def describe(self) -> str:
-        return f"{self.precision} on {self.device} via {self.kernel} ({self.isa})"
+        step = f", decoder steps via {self.step_kernel}" if self.step_kernel else ""
+        return f"{self.precision} on {self.device} via {self.kernel}{step} ({self.isa})"
 
 
 def choose(
@@ -186,7 +200,11 @@ def choose(
             )
         return KernelPlan("cpu", "int8", torch.float32, "fbgemm-int8", f.isa, reduce_range=not f.avx512_vnni)
     if precision == "float32":
-        return KernelPlan("cpu", "float32", torch.float32, "onednn" if onednn else "aten", f.isa)
+        # the decoder step's layers: ``wx`` where measured faster than oneDNN (AVX2 without
+        # AVX-512: docs/benchmarks.md "The decoder step's layers through MKL"); AVX-512 CPUs
+        # keep oneDNN, which was what was measured fast there
+        step: KernelName | None = "wx" if onednn and not f.avx512 else None
+        return KernelPlan("cpu", "float32", torch.float32, "onednn" if onednn else "aten", f.isa, step_kernel=step)
     if precision == "bfloat16":
         if onednn and (f.avx512 or f.avx_ne_convert):
             slow = None if f.avx512_bf16 or f.avx_ne_convert else "bfloat16 is emulated on this CPU (no AVX512_BF16)"
@@ -250,6 +268,27 @@ class _Packed:
 def aten(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
     out = F.linear(x, weight, bias)
     return out.relu_() if relu else out
+
+
+def wx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
+    """MKL's sgemm (``torch.mm``) as W·xᵀ, transposed back with the bias added in the same pass:
+    x (..., in) -> (..., out), contiguous. The same product as ``F.linear``'s x·Wᵀ, but on this
+    operand order MKL's small-row kernels run 1.3-2x faster on AVX2, and unlike oneDNN there is
+    no per-call primitive cost (~40 us) and no shape to cache: at the decoder step's 1-256 rows
+    it matches or beats the packed oneDNN call on the model's 256-1024 wide layers (not the
+    vocabulary-wide output projection, where oneDNN stays). Reads the float weight as it is."""
+    if x.dtype != weight.dtype:
+        return aten(x, weight, bias, relu)  # F.linear's error
+    rows = x.numel() // max(x.shape[-1], 1)
+    yt = torch.mm(weight, x.reshape(rows, x.shape[-1]).t())  # (out, rows)
+    out = torch.empty((rows, weight.shape[0]), dtype=yt.dtype, device=yt.device)
+    if bias is None:
+        out.copy_(yt.t())
+    else:
+        torch.add(yt.t(), bias, out=out)
+    if relu:
+        out.relu_()
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def _pack_onednn(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -472,21 +511,27 @@ def int8(reduce_range: bool) -> LinearKernel:
     return Int8Kernel(reduce_range)
 
 
-def kernel_for(plan: KernelPlan) -> LinearKernel:
-    if plan.kernel == "onednn":
+def kernel_for(plan: KernelPlan, name: KernelName | None = None) -> LinearKernel:
+    """The kernel the plan names (``name``: one of its names, default ``plan.kernel``)."""
+    name = name or plan.kernel
+    if name == "onednn":
         return onednn
-    if plan.kernel == "fbgemm-int8":
+    if name == "wx":
+        return wx
+    if name == "fbgemm-int8":
         torch.backends.quantized.engine = "fbgemm"  # linear_dynamic runs on the engine it was packed for
         return int8(plan.reduce_range)
     return aten
 
 
-def install(model: nn.Module, plan: KernelPlan) -> nn.Module:
-    """Give every layer of ``model`` that takes a kernel (``uses_kernel``) the plan's kernel."""
-    kernel = kernel_for(plan)
+def install(model: nn.Module, plan: KernelPlan, step_layers: Iterable[nn.Module] = ()) -> nn.Module:
+    """Give every layer of ``model`` that takes a kernel (``uses_kernel``) the plan's kernel, and
+    the layers in ``step_layers`` (the decoder step's: ``Transformer.step_linears``) its ``step``."""
+    kernel, step = kernel_for(plan), kernel_for(plan, plan.step)
+    in_step = {id(m) for m in step_layers}
     for module in model.modules():
         if hasattr(module, "kernel"):
-            setattr(module, "kernel", kernel)  # noqa: B010 (nn.Module's __setattr__ types say Tensor | Module)
+            setattr(module, "kernel", step if id(module) in in_step else kernel)  # noqa: B010 (nn.Module's __setattr__ types say Tensor | Module)
     if plan.warning:
         log.warning("%s", plan.warning)
     log.info("linear kernels: %s", plan.describe())

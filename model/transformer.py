@@ -238,6 +238,24 @@ class Transformer(nn.Module):
         """(V, D): the output projection (the shared embedding when tied)."""
         return self.output.weight if self.output is not None else self.tgt_embed.tokens.weight
 
+    def step_linears(self) -> list[nn.Module]:
+        """The linear layers an incremental decoder step runs (``model.step``), the output
+        projection aside: each decoder layer's self-attention QKV and output, cross-attention
+        query and output, and feed-forward. (Cross-attention K/V are projected once per
+        sentence, at the encoder's row counts.) ``kernels.install`` may give them their own kernel."""
+        return [
+            m
+            for layer in self.decoder_layers
+            for m in (
+                layer.self_attn.qkv,
+                layer.self_attn.out,
+                layer.cross_attn.q,
+                layer.cross_attn.out,
+                layer.ff.fc1,
+                layer.ff.fc2,
+            )
+        ]
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: (..., D) -> (..., V)."""
         if self.decoder_norm is not None:

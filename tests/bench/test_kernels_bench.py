@@ -18,7 +18,7 @@ def test_one_line_per_shape_and_row_count_with_each_runnable_kernel() -> None:
     assert [(r["out"], r["in"], r["rows"]) for r in rows] == [(o, i, n) for o, i in
                                                                 ((768, 256), (256, 256), (1024, 256), (256, 1024),
                                                                  (8000, 256)) for n in (1, 4)]  # fmt: skip
-    expected = {"aten_us"}
+    expected = {"aten_us", "wx_us"}
     if kernels.choose("cpu", "float32").kernel == "onednn":
         expected.add("onednn_us")
     if kernels.detected().avx2:
@@ -34,7 +34,8 @@ def test_step_mode_times_a_decoder_steps_matrices_per_kernel() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [(r["matrices"], r["rows"]) for r in rows] == [(19, 1), (19, 4)]
-    expected = {"aten_ms"} | ({"onednn_ms"} if kernels.choose("cpu", "float32").kernel == "onednn" else set())
+    expected = {"aten_ms", "wx_ms", "planned_ms"} | ({"onednn_ms"} if kernels.choose("cpu", "float32").kernel == "onednn" else set())
     expected |= {"fbgemm-int8_ms"} if kernels.detected().avx2 else set()
     for row in rows:
         assert {k for k in row if k.endswith("_ms")} == expected and all(row[k] > 0 for k in expected)
+        assert row["planned"] == kernels.choose("cpu", "float32").describe()

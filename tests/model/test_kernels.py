@@ -60,6 +60,44 @@ def test_plan_follows_the_capability_table(cpu: str, precision: str, kernel: str
     assert (plan.warning is not None) == warns
 
 
+@pytest.mark.parametrize(("cpu", "step"), [("avx512-bf16", "onednn"), ("avx2", "wx"), ("baseline", "aten")])
+def test_decoder_step_layers_run_wx_on_avx2_cpus_without_avx512(cpu: str, step: str) -> None:
+    """float32's decoder step layers take ``wx`` (MKL as W·xᵀ) where it was measured faster
+    than oneDNN, AVX2 without AVX-512; elsewhere, and at every other precision, the plan's kernel."""
+    plan = kernels.choose("cpu", "float32", SIMULATED[cpu])
+    if not torch.backends.mkldnn.is_available():
+        step = "aten"
+    assert plan.step == step
+    assert ("decoder steps via wx" in plan.describe()) == (step == "wx")
+    for precision in ("bfloat16", "float16", "int8"):
+        try:
+            other = kernels.choose("cpu", precision, SIMULATED[cpu], engines=("fbgemm",))
+        except UnsupportedPrecision:
+            continue
+        assert other.step == other.kernel and other.step_kernel is None
+
+
+@pytest.mark.parametrize("shape", [(5, 48), (1, 48), (4, 48), (3, 1, 48), (0, 48), (300, 48), (3, 7, 48)])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_wx_computes_f_linear_into_a_contiguous_result(shape: tuple[int, ...], relu: bool, bias: bool) -> None:
+    """``wx`` (W·xᵀ, transposed back with the bias added) is F.linear at every row count, its
+    result contiguous (the step views it), bound or not; another dtype gets F.linear's error."""
+    torch.manual_seed(0)
+    weight, b = torch.randn(70, 48), torch.randn(70) if bias else None
+    x = torch.randn(shape)
+    expected = F.linear(x, weight, b)
+    expected = F.relu(expected) if relu else expected
+    with torch.inference_mode():
+        out = kernels.wx(x, weight, b, relu)
+        bound = kernels.bind(kernels.wx, weight, b)(x.reshape(-1, 48), relu)
+    assert out.shape == (*shape[:-1], 70) and out.dtype == torch.float32 and out.is_contiguous()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(bound, out.reshape(-1, 70))
+    with pytest.raises(RuntimeError):
+        kernels.wx(x.double(), weight, b)
+
+
 def test_bf16_training_runs_only_where_the_cpu_has_native_bf16() -> None:
     assert kernels.bf16_autocast("cpu", AVX512_BF16) is None
     assert kernels.bf16_autocast("cpu", CpuFeatures(avx2=True, fma=True, avx_ne_convert=True)) is None
@@ -223,25 +261,38 @@ def test_more_rows_than_onednn_takes_run_in_chunks_of_known_shapes(monkeypatch: 
         assert layer(torch.randn(0, 48)).shape == (0, 70)
 
 
-def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(tiny_weights_dir: Path) -> None:
-    """Where float32 runs on oneDNN, a loaded checkpoint's linear layers keep their packed copies
-    only (float weights released, biases and the embeddings the output projection shares kept)
-    and translate as the same model with its float weights; ``keep_float_weights`` keeps them."""
+@pytest.mark.parametrize("cpu", ["here", "avx2"])
+def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(tiny_weights_dir: Path, cpu: str) -> None:
+    """Where float32 runs on oneDNN, a loaded checkpoint's linear layers keep one copy of their
+    weights: the packed copy only (float weights released, biases and the embeddings the output
+    projection shares kept), except the decoder step's layers where they run ``wx``, which keep
+    their float weights and no packed copy; and translate as the same model with its float
+    weights; ``keep_float_weights`` keeps them. On this CPU and on a simulated AVX2 one."""
     from model.decoding import DecodingOptions
     from model.translator import Translator
 
     folder = tiny_weights_dir / "de-en"
-    ckpt = checkpoint.load(folder, "cpu", "float32")
-    kept = checkpoint.load(folder, "cpu", "float32", keep_float_weights=True)
+    features = HERE if cpu == "here" else AVX2_ONLY & HERE
+    ckpt = checkpoint.load(folder, "cpu", "float32", features)
+    kept = checkpoint.load(folder, "cpu", "float32", features, keep_float_weights=True)
     layers = [m for m in ckpt.model.modules() if isinstance(m, Linear)]
     assert not any(p.is_meta for p in kept.model.parameters())
     if ckpt.plan.kernel != "onednn":
         assert not any(p.is_meta for p in ckpt.model.parameters())
         pytest.skip(f"float32 runs {ckpt.plan.kernel} on this CPU: nothing is packed, nothing released")
-    assert layers and all(isinstance(m.kernel, kernels.PackedOneDNN) and m.weight.is_meta for m in layers)
+    step = ckpt.model.step_linears()
+    assert len(step) == 6 * ckpt.model.config.decoder_layers
+    on_wx = step if ckpt.plan.step == "wx" else []
+    assert (ckpt.plan.step == "wx") == (cpu == "avx2" or not HERE.avx512)
+    packed = [m for m in layers if all(m is not w for w in on_wx)]
+    assert packed and all(isinstance(m.kernel, kernels.PackedOneDNN) and m.weight.is_meta for m in packed)
+    assert all(m.kernel is kernels.wx and not m.weight.is_meta for m in on_wx)
+    assert all(m.kernel is kernels.wx for m in kept.model.step_linears() if on_wx)
     assert not any(m.bias.is_meta for m in layers) and not ckpt.model.output_matrix().is_meta
+    packed_bytes = sum(m.weight.numel() * 4 for m in packed)
     float_bytes = sum(p.numel() * p.element_size() for p in ckpt.model.parameters() if not p.is_meta)
-    assert float_bytes < 0.5 * ckpt.model.num_parameters() * 4  # the layers' float copies are gone
+    kept_bytes = sum(p.numel() * p.element_size() for p in kept.model.parameters())
+    assert float_bytes <= kept_bytes - packed_bytes  # the packed layers' float copies are gone
     texts = ["ein Hund läuft", "zwei Männer spielen Fußball im Park", "x"]
     ids = ckpt.tokenizer.encode(texts)
     for beam in (1, 3):
@@ -250,7 +301,33 @@ def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(tin
         reference = Translator(kept.model, kept.tokenizer).decode_ids(ids, options)
         assert [[h.ids for h in hyps] for hyps in ours] == [[h.ids for h in hyps] for hyps in reference]
     with pytest.raises(RuntimeError, match="released for inference"):
-        layers[0](torch.randn(2, layers[0].in_features))  # gradients enabled: not the kernel's path
+        packed[0](torch.randn(2, packed[0].in_features))  # gradients enabled: not the kernel's path
+
+
+def test_the_decoder_step_on_wx_gives_the_networks_logits(tiny_weights_dir: Path) -> None:
+    """Decoder steps whose layers run ``wx`` (simulated AVX2 CPU) give the logits of the same
+    checkpoint's teacher-forced decoder run on ``F.linear`` (float weights kept, gradients
+    off outside inference mode: the modules' reference path), step by step."""
+    from model.step import DecoderStep
+
+    folder = tiny_weights_dir / "de-en"
+    ckpt = checkpoint.load(folder, "cpu", "float32", AVX2_ONLY & HERE)
+    reference = checkpoint.load(folder, "cpu", "float32", keep_float_weights=True).model
+    if ckpt.plan.step != "wx":
+        pytest.skip(f"float32 runs {ckpt.plan.describe()} here")
+    model = ckpt.model
+    src = torch.tensor([ckpt.tokenizer.encode(["zwei Männer spielen Fußball im Park"])[0]])
+    tgt = torch.tensor([[model.config.bos_id, 17, 230, 45, 9, 120]])
+    with torch.no_grad():
+        memory, mask, _ = reference.encode(src)
+        expected = reference.decode(tgt, memory, mask)[0]  # (1, T, V)
+    with torch.inference_mode():
+        memory, mask, _ = model.encode(src)
+        cache = model.init_cache(memory, capacity=tgt.shape[1])
+        step = DecoderStep(model)
+        for t in range(tgt.shape[1]):
+            torch.testing.assert_close(step(tgt[:, t], cache, mask), expected[:, t], atol=1e-4, rtol=1e-4)
+    assert cache.length == tgt.shape[1]
 
 
 @pytest.mark.parametrize("cpu", _runnable("int8"))
