@@ -7,7 +7,7 @@ CPU flags. ``choose`` maps (device, precision, CPU features) to a ``KernelPlan``
 | precision | CPU has | kernel | why |
 | --- | --- | --- | --- |
 | float32 | AVX2 (x86) | ``onednn`` | oneDNN matmul on weights packed once: 2-3x MKL's sgemm at 4-256 rows |
-| float32, step layers | AVX2, not AVX-512 | ``wx`` | MKL's sgemm as W·xᵀ: faster at 1-16 rows, as fast at 64+ |
+| float32, step layers | AVX2, not AVX-512 | ``wx`` | MKL's sgemm as W·xᵀ: as fast, no oneDNN shapes to cache |
 | float32 | no AVX2 | ``aten`` | ``F.linear``; torch's oneDNN weight packing is only trusted on x86 |
 | bfloat16 | AVX-512 BW/VL/DQ or AVX-NE-CONVERT | ``onednn`` | what torch's oneDNN bf16 reorder requires |
 | bfloat16 | less | ``aten`` | works, slowly; logged once at load |
@@ -200,9 +200,9 @@ def choose(
             )
         return KernelPlan("cpu", "int8", torch.float32, "fbgemm-int8", f.isa, reduce_range=not f.avx512_vnni)
     if precision == "float32":
-        # the decoder step's layers: ``wx`` where measured faster than oneDNN (AVX2 without
-        # AVX-512: docs/benchmarks.md "The decoder step's layers through MKL"); AVX-512 CPUs
-        # keep oneDNN, which was what was measured fast there
+        # the decoder step's layers: ``wx`` where measured as fast as oneDNN in less memory (AVX2
+        # without AVX-512: docs/benchmarks.md "The decoder step's layers through MKL"); AVX-512
+        # CPUs keep oneDNN, which is what was measured there
         step: KernelName | None = "wx" if onednn and not f.avx512 else None
         return KernelPlan("cpu", "float32", torch.float32, "onednn" if onednn else "aten", f.isa, step_kernel=step)
     if precision == "bfloat16":
@@ -273,10 +273,12 @@ def aten(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu:
 def wx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
     """MKL's sgemm (``torch.mm``) as W·xᵀ, transposed back with the bias added in the same pass:
     x (..., in) -> (..., out), contiguous. The same product as ``F.linear``'s x·Wᵀ, but on this
-    operand order MKL's small-row kernels run 1.3-2x faster on AVX2, and unlike oneDNN there is
-    no per-call primitive cost (~40 us) and no shape to cache: at the decoder step's 1-256 rows
-    it matches or beats the packed oneDNN call on the model's 256-1024 wide layers (not the
-    vocabulary-wide output projection, where oneDNN stays). Reads the float weight as it is."""
+    operand order MKL's small-row kernels run 1.3-2x faster on AVX2 (``F.linear`` is 2x slower
+    than the packed oneDNN call at 4 rows), and unlike oneDNN it builds and caches nothing per
+    row count. In decoding, on the decoder step's 256-1024 wide layers (not the vocabulary-wide
+    output projection, where oneDNN stays), it runs as fast as the packed oneDNN call and saves
+    the primitives oneDNN keeps for each of their shapes (~20 MiB of working memory at batch 64).
+    Reads the float weight as it is: one copy, no packing."""
     if x.dtype != weight.dtype:
         return aten(x, weight, bias, relu)  # F.linear's error
     rows = x.numel() // max(x.shape[-1], 1)
