@@ -353,6 +353,7 @@ class TranslationService:
             "device": self.device.type,
             "dtype": self.precision,
             "kernel": self.plan.kernel,
+            "step_kernel": self.plan.step,
             "cpu_isa": self.plan.isa if self.device.type == "cpu" else None,
             "max_source_tokens": self.translator.max_source_tokens,
             "recommended_decoding": checkpoint.recommended_decoding(self.meta, self.direction),

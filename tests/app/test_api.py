@@ -18,6 +18,7 @@ from app.main import create_app
 from app.ratelimit import RateLimited
 from app.service import SentenceTooLong, TextTooLong, Timeout, TranslationError
 from app.settings import Settings
+from model import kernels
 from tests.factories import DOC, assert_error, sample, server_timing, start
 
 
@@ -176,6 +177,8 @@ def test_metadata_endpoints(client: TestClient) -> None:
     direction = info["directions"][0]
     assert direction["source"] == "de" and direction["device"] == "cpu" and direction["dtype"] == "float32"
     assert direction["parameters"] > 0 and direction["model"]["d_model"] == 32
+    plan = kernels.choose("cpu", "float32")
+    assert (direction["kernel"], direction["step_kernel"], direction["cpu_isa"]) == (plan.kernel, plan.step, plan.isa)
     assert info["limits"]["max_items"] == 4
     assert client.get("/docs").status_code == 200
     assert "/translate" in client.get("/openapi.json").json()["paths"]

@@ -32,7 +32,7 @@ def test_int8_is_served_and_reported(shipped: Path) -> None:
         reply = httpx.post(f"{url}/translate", json={"q": "Zwei Hunde spielen im Schnee.", **DOC}, timeout=60)
         assert reply.status_code == 200 and "dogs" in reply.json()["translatedText"].lower()
         infos = httpx.get(f"{url}/info").json()["directions"]
-        assert {(i["dtype"], i["kernel"]) for i in infos} == {("int8", "fbgemm-int8")}  # every direction
+        assert {(i["dtype"], i["kernel"], i["step_kernel"]) for i in infos} == {("int8", "fbgemm-int8", "fbgemm-int8")}
         plan = assign_directions(discover(shipped.parent))  # the many-to-many model serves eight of them
         shipped_directions = sorted(f"{s}-{t}" for pairs in plan.values() for s, t in pairs or [])
         assert len(shipped_directions) == 12

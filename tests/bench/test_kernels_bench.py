@@ -34,7 +34,9 @@ def test_step_mode_times_a_decoder_steps_matrices_per_kernel() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [(r["matrices"], r["rows"]) for r in rows] == [(19, 1), (19, 4)]
-    expected = {"aten_ms", "wx_ms", "planned_ms"} | ({"onednn_ms"} if kernels.choose("cpu", "float32").kernel == "onednn" else set())
+    expected = {"aten_ms", "wx_ms", "planned_ms"} | (
+        {"onednn_ms"} if kernels.choose("cpu", "float32").kernel == "onednn" else set()
+    )
     expected |= {"fbgemm-int8_ms"} if kernels.detected().avx2 else set()
     for row in rows:
         assert {k for k in row if k.endswith("_ms")} == expected and all(row[k] > 0 for k in expected)
