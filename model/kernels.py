@@ -529,7 +529,8 @@ def kernel_for(plan: KernelPlan, name: KernelName | None = None) -> LinearKernel
 def install(model: nn.Module, plan: KernelPlan, step_layers: Iterable[nn.Module] = ()) -> nn.Module:
     """Give every layer of ``model`` that takes a kernel (``uses_kernel``) the plan's kernel, and
     the layers in ``step_layers`` (the decoder step's: ``Transformer.step_linears``) its ``step``."""
-    kernel, step = kernel_for(plan), kernel_for(plan, plan.step)
+    kernel = kernel_for(plan)
+    step = kernel if plan.step == plan.kernel else kernel_for(plan, plan.step)
     in_step = {id(m) for m in step_layers}
     for module in model.modules():
         if hasattr(module, "kernel"):
