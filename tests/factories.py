@@ -18,6 +18,7 @@ from app.settings import Settings
 from model import kernels
 from model.config import ModelConfig
 from model.kernels import KernelPlan, UnsupportedPrecision
+from model.step import DecoderStep
 from model.transformer import Transformer
 
 V = 60  # make_model's vocabulary: ids 0-3 are the specials (pad, unk, bos, eos)
@@ -52,6 +53,19 @@ def packed_plan(precision: str) -> KernelPlan:
     if plan.kernel == "aten":
         pytest.skip(f"{precision} runs F.linear on this CPU: nothing is packed, nothing released")
     return plan
+
+
+def assert_steps_match(
+    model: Transformer, src: torch.Tensor, tgt: torch.Tensor, expected: torch.Tensor, tol: float
+) -> None:
+    """The incremental decoder step (``model.step``, on the KV cache) of src (B, S) and tgt (B, T)
+    gives ``expected[:, t]`` (expected: (B, T, V), a teacher-forced pass) at every step t."""
+    memory, mask, _ = model.encode(src)
+    cache = model.init_cache(memory, capacity=tgt.shape[1])
+    step = DecoderStep(model)
+    for t in range(tgt.shape[1]):
+        torch.testing.assert_close(step(tgt[:, t], cache, mask), expected[:, t], atol=tol, rtol=tol)
+    assert cache.length == tgt.shape[1]
 
 
 def make_model(seed: int = 0, vocab: int = V, **overrides: object) -> Transformer:

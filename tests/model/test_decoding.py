@@ -10,7 +10,7 @@ from model.beams import TOP_K_BLOCK, top_k
 from model.data import pad
 from model.decoding import DecodeSession, DecodingOptions, decode, decode_stream
 from model.step import DecoderStep
-from tests.factories import V, make_model
+from tests.factories import V, assert_steps_match, make_model
 
 # A vocabulary large enough for decoding's blocked top-k on the CPU (V = 60 uses torch.topk).
 BIG_V = 40 * TOP_K_BLOCK + 17
@@ -50,12 +50,7 @@ def test_cached_steps_match_full_recomputation(norm_first: bool, positions: str,
     with torch.no_grad():
         full = model(src, tgt)  # (B, T, V), teacher-forced, no cache
     with torch.inference_mode(inference):
-        memory, mask, _ = model.encode(src)
-        cache = model.init_cache(memory, capacity=tgt.shape[1])
-        step = DecoderStep(model)
-        for t in range(tgt.shape[1]):
-            torch.testing.assert_close(step(tgt[:, t], cache, mask), full[:, t], atol=1e-5, rtol=1e-5)
-    assert cache.length == tgt.shape[1]
+        assert_steps_match(model, src, tgt, full, tol=1e-5)
 
 
 def test_a_step_with_beams_and_late_rows_matches_each_row_alone() -> None:
