@@ -94,8 +94,11 @@ class Trainer:
         self.valid_parts = {p: self._read(d.valid, p).head(d.eval_limit) for p in self.pairs}
         self.train_text = self._joined(self.train_parts)
         self.valid_text = self._joined(self.valid_parts)
-        self.tokenizer = self._tokenizer()
-        self.train_data = self._corpus(self.train_text)
+        self.tokenizer = self._tokenizer()  # from [train] alone, never from synthetic text
+        self.synthetic = self._synthetic()
+        self.train_data = self._corpus(
+            Parallel(self.train_text.src + self.synthetic.src, self.train_text.tgt + self.synthetic.tgt)
+        )
         self.valid_data = self._corpus(self.valid_text)
         self.model = Transformer(cfg.model).to(device)
         slow = kernels.bf16_autocast(device) if cfg.optim.bf16 else None
@@ -112,6 +115,17 @@ class Trainer:
 
     def _read(self, split: str, pair: tuple[str, str]) -> Parallel:
         return read_parallel(split_file(self.data_dir, split, pair[0]), split_file(self.data_dir, split, pair[1]))
+
+    def _synthetic(self) -> Parallel:
+        """``data.synthetic``'s pairs, cleaned like [train] (``train_limit`` applies to each file)."""
+        d = self.cfg.data
+        src: list[str] = []
+        tgt: list[str] = []
+        for source, target in d.synthetic_files():
+            text = clean(read_parallel(source, target), d.max_ratio).head(d.train_limit)
+            log.info("synthetic pairs: %d from %s | %s", len(text), source, target)
+            src, tgt = src + text.src, tgt + text.tgt
+        return Parallel(src, tgt)
 
     @property
     def many(self) -> bool:

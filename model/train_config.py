@@ -27,6 +27,23 @@ class DataConfig:
     # many-to-many: "src-tgt" directions trained together in one model, each source sentence led
     # by its target language's tag (model.tokenizer.target_tag); empty: source -> target alone
     directions: tuple[str, ...] = ()
+    # extra training pairs beside [train] (one-direction runs): [source file, target file] each,
+    # aligned line by line, "{dir}" standing for ``dir``; e.g. a shipped model's translations of
+    # the training sources (sequence-level distillation) or of its targets (back-translation),
+    # written by ``python -m model.distill``. The tokenizer is trained on [train] alone.
+    synthetic: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        pairs = tuple(tuple(p) for p in self.synthetic)
+        if any(len(p) != 2 or not all(isinstance(x, str) and x for x in p) for p in pairs):
+            raise ValueError(f"[data] synthetic: [source file, target file] pairs expected, got {self.synthetic!r}")
+        if pairs and self.directions:
+            raise ValueError("[data] synthetic: one-direction runs only (not with directions)")
+        object.__setattr__(self, "synthetic", pairs)
+
+    def synthetic_files(self) -> list[tuple[str, str]]:
+        """The synthetic pairs' file paths, "{dir}" replaced by the data folder."""
+        return [(s.replace("{dir}", self.dir), t.replace("{dir}", self.dir)) for s, t in self.synthetic]
 
     def pairs(self) -> list[tuple[str, str]]:
         """The (source, target) language pairs this run trains."""

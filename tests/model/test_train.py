@@ -146,3 +146,43 @@ def test_directions_must_be_distinct_pairs_of_two_languages(tmp_path: Path, data
             "train_limit = 3000", f"train_limit = 3000\ndirections = {bad}"))  # fmt: skip
         with pytest.raises(ValueError, match="directions"):
             load_train_config(path).data.pairs()
+
+
+def test_synthetic_pairs_join_the_training_data_but_not_the_tokenizer(tmp_path: Path, data_dir: Path) -> None:
+    """``[data] synthetic``: extra aligned files ("{dir}" is the data folder) are cleaned, cut to
+    ``train_limit`` and trained on after the real pairs; the vocabulary is learnt from the real
+    pairs alone."""
+    from model.data import read_lines
+
+    german, english = read_lines(data_dir / "train.de.gz"), read_lines(data_dir / "train.en.gz")
+    (tmp_path / "synthetic.en").write_text("".join(f"Synthetic: {line}\n" for line in english))
+    config = tiny_config(tmp_path, data_dir, epochs=1).read_text().replace("train_limit = 3000", "train_limit = 300")
+    plain = tmp_path / "plain.toml"
+    plain.write_text(config)
+    path = tmp_path / "synthetic.toml"
+    pair = f'["{{dir}}/train.de.gz", "{tmp_path / "synthetic.en"}"]'
+    path.write_text(config.replace("train_limit = 300", f"train_limit = 300\nsynthetic = [{pair}]"))
+    cfg = load_train_config(path)
+    assert cfg.data.synthetic_files() == [(f"{data_dir}/train.de.gz", str(tmp_path / "synthetic.en"))]
+    with_synthetic = Trainer(cfg, tmp_path / "with", torch.device("cpu"))
+    without = Trainer(load_train_config(plain), tmp_path / "without", torch.device("cpu"))
+    assert with_synthetic.synthetic.src == german[:300]
+    assert with_synthetic.synthetic.tgt == [f"Synthetic: {line}" for line in english[:300]]
+    assert len(with_synthetic.train_data.src_ids) == len(without.train_data.src_ids) + 300
+    assert (tmp_path / "with" / "spm.model").read_bytes() == (tmp_path / "without" / "spm.model").read_bytes()
+    final = train(cfg, tmp_path / "with", max_steps_per_epoch=3)
+    assert checkpoint.read_meta(final)["training"]["config"]["data"]["synthetic"] == [
+        ["{dir}/train.de.gz", str(tmp_path / "synthetic.en")]
+    ]
+
+
+def test_synthetic_entries_are_file_pairs_for_one_direction_runs(tmp_path: Path, data_dir: Path) -> None:
+    config = tiny_config(tmp_path, data_dir, epochs=1).read_text()
+    for bad in ('[["a.en"]]', '[["a.en", ""]]', '["a.en", "b.de"]'):
+        path = tmp_path / "bad.toml"
+        path.write_text(config.replace("train_limit = 3000", f"train_limit = 3000\nsynthetic = {bad}"))
+        with pytest.raises(ValueError, match="synthetic"):
+            load_train_config(path)
+    path.write_text(config.replace("train_limit = 3000", 'synthetic = [["a", "b"]]\ndirections = ["de-en", "en-de"]'))
+    with pytest.raises(ValueError, match="one-direction"):
+        load_train_config(path)
