@@ -192,7 +192,9 @@ class DirectionInfo(BaseModel):
     device: str
     dtype: str
     kernel: str = Field(description="what runs the linear layers (model.kernels: onednn, aten, fbgemm-int8)")
-    step_kernel: str = Field(description="what runs the decoder step's layers (wx: MKL as W·xᵀ, or as kernel)")
+    step_kernel: str = Field(
+        description="what runs the decoder step's layers (aten: F.linear, on Intel CPUs; wx: MKL as W·xᵀ; or as kernel)"
+    )
     cpu_isa: str | None = Field(description="the CPU instruction set the kernels use (null on a GPU)")
     max_source_tokens: int
     recommended_decoding: dict[str, Any] = Field(description="the model card's decoding options")

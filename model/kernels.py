@@ -7,7 +7,8 @@ CPU flags. ``choose`` maps (device, precision, CPU features) to a ``KernelPlan``
 | precision | CPU has | kernel | why |
 | --- | --- | --- | --- |
 | float32 | AVX2 (x86) | ``onednn`` | oneDNN matmul on weights packed once: 2-3x MKL's sgemm at 4-256 rows |
-| float32, step layers | AVX2, not AVX-512 | ``wx`` | MKL's sgemm as W·xᵀ: as fast, no oneDNN shapes to cache |
+| float32, step layers | Intel, AVX2 | ``aten`` | MKL's sgemm (``F.linear``): beats oneDNN and ``wx`` there |
+| float32, step layers | other AVX2, no AVX-512 | ``wx`` | MKL's sgemm as W·xᵀ: as fast, no oneDNN shapes to cache |
 | float32 | no AVX2 | ``aten`` | ``F.linear``; torch's oneDNN weight packing is only trusted on x86 |
 | bfloat16 | AVX-512 BW/VL/DQ or AVX-NE-CONVERT | ``onednn`` | what torch's oneDNN bf16 reorder requires |
 | bfloat16 | less | ``aten`` | works, slowly; logged once at load |
@@ -18,6 +19,7 @@ CPU flags. ``choose`` maps (device, precision, CPU features) to a ``KernelPlan``
 On CUDA every precision but int8 uses ``F.linear`` (cuBLAS); int8 there is refused.
 
 Features come from /proc/cpuinfo (the hardware, which is what torch's own checks read),
+and the vendor (``vendor_id``: MKL, Intel's library, runs its fast paths on Intel CPUs only),
 narrowed by the ISA caps users set for the libraries (``ONEDNN_MAX_CPU_ISA``,
 ``ATEN_CPU_CAPABILITY``), so a capped run also takes the capped path. Tests build
 ``CpuFeatures`` by hand to drive every row of the table on any machine.
@@ -25,7 +27,7 @@ narrowed by the ISA caps users set for the libraries (``ONEDNN_MAX_CPU_ISA``,
 The decoder step's layers (``Transformer.step_linears``: every layer a decoder step runs but
 the output projection) take the plan's ``step_kernel`` where it differs. A float32 model loaded
 for inference then keeps one copy of each weight: the packed copy where oneDNN runs it
-(``PackedOneDNN``, ``release_float_weights``), the float weight where ``wx`` reads it.
+(``PackedOneDNN``, ``release_float_weights``), the float weight where ``wx`` or ``aten`` reads it.
 Measured per-call times behind the choices: docs/benchmarks.md "Linear kernels" and "The
 decoder step's layers through MKL".
 """
@@ -78,10 +80,11 @@ class CpuFeatures:
     avx512_bf16: bool = False
     avx_ne_convert: bool = False
     avx512_vnni: bool = False
+    intel: bool = False  # vendor_id GenuineIntel: where MKL runs its own fast paths
 
     @classmethod
-    def from_flags(cls, flags: Iterable[str]) -> CpuFeatures:
-        """From /proc/cpuinfo's flag names."""
+    def from_flags(cls, flags: Iterable[str], vendor: str = "") -> CpuFeatures:
+        """From /proc/cpuinfo's flag names (and its ``vendor_id``)."""
         f = set(flags)
         return cls(
             avx2="avx2" in f,
@@ -90,6 +93,7 @@ class CpuFeatures:
             avx512_bf16="avx512_bf16" in f,
             avx_ne_convert="avx_ne_convert" in f,
             avx512_vnni="avx512_vnni" in f,
+            intel=vendor == "GenuineIntel",
         )
 
     @classmethod
@@ -99,9 +103,11 @@ class CpuFeatures:
             text = cpuinfo.read_text()
         except OSError:
             text = ""
-        line = next((ln for ln in text.splitlines() if ln.startswith("flags")), None)
+        lines = text.splitlines()
+        line = next((ln for ln in lines if ln.startswith("flags")), None)
+        vendor = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("vendor_id")), "")
         if line is not None:
-            features = cls.from_flags(line.split(":", 1)[1].split())
+            features = cls.from_flags(line.split(":", 1)[1].split(), vendor)
         else:  # no /proc (macOS) or no x86 flags: ask torch, which reads cpuinfo itself
             x86 = platform.machine().lower() in ("x86_64", "amd64")
             features = cls(avx2=x86 and torch.cpu._is_avx2_supported(), fma=x86 and torch.cpu._is_avx2_supported())
@@ -200,10 +206,16 @@ def choose(
             )
         return KernelPlan("cpu", "int8", torch.float32, "fbgemm-int8", f.isa, reduce_range=not f.avx512_vnni)
     if precision == "float32":
-        # the decoder step's layers: ``wx`` where measured as fast as oneDNN in less memory (AVX2
-        # without AVX-512: docs/benchmarks.md "The decoder step's layers through MKL"); AVX-512
-        # CPUs keep oneDNN, which is what was measured there
-        step: KernelName | None = "wx" if onednn and not f.avx512 else None
+        # the decoder step's layers: on Intel CPUs MKL's sgemm behind ``F.linear`` (faster than
+        # oneDNN and ``wx`` at every batch shape measured, natively and capped to AVX2:
+        # docs/benchmarks.md "The decoder step's layers on an Intel CPU"); elsewhere ``wx`` where
+        # measured as fast as oneDNN in less memory (AVX2 without AVX-512: "The decoder step's
+        # layers through MKL"); other AVX-512 CPUs keep oneDNN, which is what was measured there
+        step: KernelName | None = None
+        if onednn and f.intel:
+            step = "aten"
+        elif onednn and not f.avx512:
+            step = "wx"
         return KernelPlan("cpu", "float32", torch.float32, "onednn" if onednn else "aten", f.isa, step_kernel=step)
     if precision == "bfloat16":
         if onednn and (f.avx512 or f.avx_ne_convert):

@@ -8,6 +8,7 @@ really has (simulated & detected), so an AVX2-only CI machine runs the AVX2 path
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,8 @@ from tests.factories import assert_steps_match, packed_plan
 
 HERE = kernels.detected()
 SIMULATED = {"avx512-bf16": AVX512_BF16, "avx512-no-bf16": CpuFeatures(True, True, True), "avx2": AVX2_ONLY,
-             "baseline": BASELINE}  # fmt: skip
+             "baseline": BASELINE, "intel-avx512-bf16": replace(AVX512_BF16, intel=True),
+             "intel-avx2": replace(AVX2_ONLY, intel=True)}  # fmt: skip
 
 
 def test_features_come_from_cpuinfo_flags_and_respect_isa_caps(tmp_path: Path) -> None:
@@ -35,6 +37,11 @@ def test_features_come_from_cpuinfo_flags_and_respect_isa_caps(tmp_path: Path) -
     assert CpuFeatures.detect(info, env={"ONEDNN_MAX_CPU_ISA": "SSE41"}) == BASELINE
     info.write_text("flags\t: fpu sse sse2 avx avx2 fma\n")  # AMD EPYC Naples
     assert CpuFeatures.detect(info, env={}) == AVX2_ONLY and AVX2_ONLY.isa == "avx2"
+    info.write_text(f"vendor_id\t: GenuineIntel\nflags\t\t: {zen5}\n")  # the vendor comes along, caps or not
+    assert CpuFeatures.detect(info, env={}) == replace(AVX512_BF16, intel=True)
+    assert CpuFeatures.detect(info, env={"ONEDNN_MAX_CPU_ISA": "AVX2"}) == replace(AVX2_ONLY, intel=True)
+    info.write_text(f"vendor_id\t: AuthenticAMD\nflags\t\t: {zen5}\n")
+    assert CpuFeatures.detect(info, env={}) == AVX512_BF16
     assert (AVX512_BF16 & AVX2_ONLY) == AVX2_ONLY
 
 
@@ -60,15 +67,26 @@ def test_plan_follows_the_capability_table(cpu: str, precision: str, kernel: str
     assert (plan.warning is not None) == warns
 
 
-@pytest.mark.parametrize(("cpu", "step"), [("avx512-bf16", "onednn"), ("avx2", "wx"), ("baseline", "aten")])
-def test_decoder_step_layers_run_wx_on_avx2_cpus_without_avx512(cpu: str, step: str) -> None:
-    """float32's decoder step layers take ``wx`` (MKL as W·xᵀ) where it was measured faster
-    than oneDNN, AVX2 without AVX-512; elsewhere, and at every other precision, the plan's kernel."""
+@pytest.mark.parametrize(
+    ("cpu", "step"),
+    [
+        ("avx512-bf16", "onednn"),
+        ("avx2", "wx"),
+        ("baseline", "aten"),
+        ("intel-avx512-bf16", "aten"),
+        ("intel-avx2", "aten"),
+    ],
+)
+def test_decoder_step_layers_run_mkl_on_intel_and_wx_on_other_avx2_cpus(cpu: str, step: str) -> None:
+    """float32's decoder step layers take MKL's sgemm where it was measured faster than oneDNN:
+    ``aten`` (``F.linear``) on Intel CPUs, ``wx`` (W·xᵀ) on other AVX2 CPUs without AVX-512;
+    elsewhere, and at every other precision, the plan's kernel."""
     plan = kernels.choose("cpu", "float32", SIMULATED[cpu])
     if not torch.backends.mkldnn.is_available():
         step = "aten"
     assert plan.step == step
     assert ("decoder steps via wx" in plan.describe()) == (step == "wx")
+    assert ("decoder steps via aten" in plan.describe()) == (step == "aten" and plan.kernel == "onednn")
     for precision in ("bfloat16", "float16", "int8"):
         try:
             other = kernels.choose("cpu", precision, SIMULATED[cpu], engines=("fbgemm",))
@@ -261,18 +279,19 @@ def test_more_rows_than_onednn_takes_run_in_chunks_of_known_shapes(monkeypatch: 
         assert layer(torch.randn(0, 48)).shape == (0, 70)
 
 
-@pytest.mark.parametrize("cpu", ["here", "avx2"])
+@pytest.mark.parametrize("cpu", ["here", "avx2", "intel"])
 def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(tiny_weights_dir: Path, cpu: str) -> None:
     """Where float32 runs on oneDNN, a loaded checkpoint's linear layers keep one copy of their
     weights: the packed copy only (float weights released, biases and the embeddings the output
     projection shares kept), except the decoder step's layers where they run ``wx``, which keep
-    their float weights and no packed copy; and translate as the same model with its float
-    weights; ``keep_float_weights`` keeps them. On this CPU and on a simulated AVX2 one."""
+    their float weights and no packed copy (so do those on ``aten``, Intel's); and translate as the
+    same model with its float weights; ``keep_float_weights`` keeps them. On this CPU, on a
+    simulated AVX2 one and on this one said to be Intel's."""
     from model.decoding import DecodingOptions
     from model.translator import Translator
 
     folder = tiny_weights_dir / "de-en"
-    features = HERE if cpu == "here" else AVX2_ONLY & HERE
+    features = {"here": HERE, "avx2": AVX2_ONLY & HERE, "intel": replace(HERE, intel=True)}[cpu]
     ckpt = checkpoint.load(folder, "cpu", "float32", features)
     kept = checkpoint.load(folder, "cpu", "float32", features, keep_float_weights=True)
     layers = [m for m in ckpt.model.modules() if isinstance(m, Linear)]
@@ -282,12 +301,14 @@ def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(tin
         pytest.skip(f"float32 runs {ckpt.plan.kernel} on this CPU: nothing is packed, nothing released")
     step = ckpt.model.step_linears()
     assert len(step) == 6 * ckpt.model.config.decoder_layers
-    on_wx = step if ckpt.plan.step == "wx" else []
-    assert (ckpt.plan.step == "wx") == (cpu == "avx2" or not HERE.avx512)
-    packed = [m for m in layers if all(m is not w for w in on_wx)]
+    expected = "aten" if features.intel else "wx" if not features.avx512 else "onednn"
+    assert ckpt.plan.step == expected
+    on_mkl = step if expected != "onednn" else []
+    step_kernel = kernels.wx if expected == "wx" else kernels.aten
+    packed = [m for m in layers if all(m is not w for w in on_mkl)]
     assert packed and all(isinstance(m.kernel, kernels.PackedOneDNN) and m.weight.is_meta for m in packed)
-    assert all(m.kernel is kernels.wx and not m.weight.is_meta for m in on_wx)
-    assert not on_wx or all(m.kernel is kernels.wx for m in kept.model.step_linears())
+    assert all(m.kernel is step_kernel and not m.weight.is_meta for m in on_mkl)
+    assert not on_mkl or all(m.kernel is step_kernel for m in kept.model.step_linears())
     assert not any(m.bias.is_meta for m in layers) and not ckpt.model.output_matrix().is_meta
     packed_bytes = sum(m.weight.numel() * 4 for m in packed)
     float_bytes = sum(p.numel() * p.element_size() for p in ckpt.model.parameters() if not p.is_meta)
@@ -304,14 +325,17 @@ def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(tin
         packed[0](torch.randn(2, packed[0].in_features))  # gradients enabled: not the kernel's path
 
 
-def test_the_decoder_step_on_wx_gives_the_networks_logits(tiny_weights_dir: Path) -> None:
-    """Decoder steps whose layers run ``wx`` (simulated AVX2 CPU) give the logits of the same
-    checkpoint's teacher-forced decoder run on ``F.linear`` (float weights kept, gradients
-    off outside inference mode: the modules' reference path), step by step."""
+@pytest.mark.parametrize("step", ["wx", "aten"])
+def test_the_decoder_step_on_mkl_gives_the_networks_logits(tiny_weights_dir: Path, step: str) -> None:
+    """Decoder steps whose layers run ``wx`` (a simulated AVX2 CPU) or ``aten`` (this one said to
+    be Intel's), the other layers packed, give the logits of the same checkpoint's teacher-forced
+    decoder run on ``F.linear`` (float weights kept, gradients off outside inference mode: the
+    modules' reference path), step by step."""
     folder = tiny_weights_dir / "de-en"
-    ckpt = checkpoint.load(folder, "cpu", "float32", AVX2_ONLY & HERE)
+    features = AVX2_ONLY & HERE if step == "wx" else replace(HERE, intel=True)
+    ckpt = checkpoint.load(folder, "cpu", "float32", features)
     reference = checkpoint.load(folder, "cpu", "float32", keep_float_weights=True).model
-    if ckpt.plan.step != "wx":
+    if ckpt.plan.step != step:
         pytest.skip(f"float32 runs {ckpt.plan.describe()} here")
     model = ckpt.model
     src = torch.tensor([ckpt.tokenizer.encode(["zwei Männer spielen Fußball im Park"])[0]])
