@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import logging
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +47,12 @@ class Parallel:
     def head(self, n: int) -> Parallel:
         """The first n pairs (all when n <= 0)."""
         return self if n <= 0 else Parallel(self.src[:n], self.tgt[:n])
+
+
+def concat(parts: Iterable[Parallel]) -> Parallel:
+    """The pairs of every part, in order."""
+    parts = list(parts)
+    return Parallel([x for t in parts for x in t.src], [y for t in parts for y in t.tgt])
 
 
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> Parallel:

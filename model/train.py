@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from model import checkpoint, kernels
-from model.data import Batch, Parallel, TokenizedCorpus, clean, read_parallel, split_file
+from model.data import Batch, Parallel, TokenizedCorpus, clean, concat, read_parallel, split_file
 from model.decoding import DecodingOptions
 from model.evaluate import measure_checkpoint, score_translations
 from model.multi30k import ensure_split_files
@@ -96,9 +96,7 @@ class Trainer:
         self.valid_text = self._joined(self.valid_parts)
         self.tokenizer = self._tokenizer()  # from [train] alone, never from synthetic text
         self.synthetic = self._synthetic()
-        self.train_data = self._corpus(
-            Parallel(self.train_text.src + self.synthetic.src, self.train_text.tgt + self.synthetic.tgt)
-        )
+        self.train_data = self._corpus(concat([self.train_text, self.synthetic]))
         self.valid_data = self._corpus(self.valid_text)
         self.model = Transformer(cfg.model).to(device)
         slow = kernels.bf16_autocast(device) if cfg.optim.bf16 else None
@@ -119,13 +117,11 @@ class Trainer:
     def _synthetic(self) -> Parallel:
         """``data.synthetic``'s pairs, cleaned like [train] (``train_limit`` applies to each file)."""
         d = self.cfg.data
-        src: list[str] = []
-        tgt: list[str] = []
+        parts = []
         for source, target in d.synthetic_files():
-            text = clean(read_parallel(source, target), d.max_ratio).head(d.train_limit)
-            log.info("synthetic pairs: %d from %s | %s", len(text), source, target)
-            src, tgt = src + text.src, tgt + text.tgt
-        return Parallel(src, tgt)
+            parts.append(clean(read_parallel(source, target), d.max_ratio).head(d.train_limit))
+            log.info("synthetic pairs: %d from %s | %s", len(parts[-1]), source, target)
+        return concat(parts)
 
     @property
     def many(self) -> bool:
@@ -138,8 +134,7 @@ class Trainer:
         return Parallel([f"{target_tag(pair[1])} {line}" for line in text.src], text.tgt)
 
     def _joined(self, parts: dict[tuple[str, str], Parallel]) -> Parallel:
-        tagged = [self._tagged(pair, text) for pair, text in parts.items()]
-        return Parallel([x for t in tagged for x in t.src], [y for t in tagged for y in t.tgt])
+        return concat(self._tagged(pair, text) for pair, text in parts.items())
 
     def _tokenizer(self) -> Tokenizer:
         spm_path = self.out / checkpoint.SPM
