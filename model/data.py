@@ -5,9 +5,10 @@ from __future__ import annotations
 import gzip
 import logging
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, cast
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -19,12 +20,26 @@ MULTI30K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi3
 log = logging.getLogger(__name__)
 
 
+def _opener(path: Path) -> Callable[..., IO[str]]:
+    return cast(Callable[..., IO[str]], gzip.open if path.suffix == ".gz" else open)
+
+
 def read_lines(path: str | Path) -> list[str]:
     """All lines of a UTF-8 text file, plain or gzip, without trailing newlines."""
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
+    with _opener(path)(path, "rt", encoding="utf-8") as f:
         return [line.rstrip("\r\n") for line in f]
+
+
+def write_lines(path: Path, lines: Sequence[str]) -> None:
+    """``read_lines``' inverse: one line each, UTF-8, gzip when the name ends in .gz; written
+    whole or not at all. A line holding a newline is refused (it would break line pairing)."""
+    if any("\n" in line for line in lines):
+        raise ValueError("a line holds a newline: it would break the line pairing")
+    tmp = path.with_name(path.name + ".tmp")
+    with _opener(path)(tmp, "wt", encoding="utf-8") as f:
+        f.writelines(line + "\n" for line in lines)
+    tmp.replace(path)
 
 
 def split_file(data_dir: str | Path, split: str, lang: str) -> Path:

@@ -14,33 +14,20 @@ reverse model's output as the source of a human target). Decoding follows the mo
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import logging
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from model import checkpoint
 from model.allocator import tune_malloc
-from model.data import read_lines
+from model.data import read_lines, write_lines
 from model.evaluate import translate_all
 from model.translator import Translator
 
 log = logging.getLogger(__name__)
-
-
-def write_lines(path: Path, lines: Sequence[str]) -> None:
-    """One line each, UTF-8, gzip when the name ends in .gz; written whole or not at all."""
-    if any("\n" in line for line in lines):
-        raise ValueError("a translation holds a newline: it would break the line pairing")
-    tmp = path.with_name(path.name + ".tmp")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(tmp, "wt", encoding="utf-8") as f:
-        f.writelines(line + "\n" for line in lines)
-    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
-from model.data import token_batches
+import pytest
+
+from model.data import token_batches, write_lines
 
 LENGTHS = [5, 3, 9, 3, 7, 1, 12, 4]
 
@@ -33,3 +36,11 @@ def test_shuffling_keeps_the_batches_but_not_their_order() -> None:
     assert sorted(i for b in shuffled for i in b) == list(range(199))
     assert shuffled != plain
     assert token_batches(lengths, 400, shuffle=True, seed=3) == shuffled  # seeded
+
+
+def test_write_lines_refuses_a_line_that_would_break_the_pairing(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="newline"):
+        write_lines(tmp_path / "x.txt", ["one", "two\nthree"])
+    assert not (tmp_path / "x.txt").exists()
+    write_lines(tmp_path / "x.txt", ["one", "", "two"])
+    assert (tmp_path / "x.txt").read_text() == "one\n\ntwo\n"
