@@ -96,6 +96,7 @@ class Beams:
         # a finished hypothesis's K candidates: its score once (the PAD continuation), then nothing
         self.only_first = torch.full((k,), -math.inf, device=device)
         self.only_first[0] = 0.0
+        self._offsets, self._offsets_width = torch.zeros(0, 1, dtype=torch.long, device=device), 0
 
     def extend(self, b: int, steps: int) -> None:
         """b sentences join, each decoded for at most ``steps`` steps."""
@@ -109,42 +110,72 @@ class Beams:
 
     def advance(
         self, logits: torch.Tensor, step: torch.Tensor, alpha: float, eos_id: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """logits: (A, W, V) float32 next-token logits of each sentence's first W hypotheses
         (W = 1 at a batch's first step, else K), step: (A,) each sentence's steps so far
-        -> back-pointer rows (A*K,) into the A*W, and the tokens chosen (A, K).
+        -> back-pointer rows (A*K,) into the A*W (None for greedy search: rows stay in
+        place), and the tokens chosen (A, K).
 
         Every alive hypothesis of a sentence has step+1 tokens after this step, so its alive
         candidates share one length penalty and rank by raw log P; a finished hypothesis
         competes through its single (PAD) continuation, its normalized score mapped into that
         raw scale. The K best of a sentence's K x V candidates are among the K best of each of
         its rows, so each row is cut to K first (``top_k``) and only K x K survivors are ranked.
+
+        At one sentence a step's arithmetic is small and each tensor operation costs a few
+        microseconds of dispatch, so the common cases take shorter paths: greedy search (one
+        row per sentence, never finished here: a sentence leaves the step it ends) and beams
+        with no finished hypothesis (the usual state until the first EOS), which need none of
+        the finished hypotheses' bookkeeping.
         """
         a, w, vocab = logits.shape
         k = self.k
-        logp, tok = top_k(torch.log_softmax(logits, dim=-1).view(a * w, vocab), k)
-        if k == 1:  # greedy: no hypothesis is finished yet (a sentence leaves the step it ends)
-            self.scores = self.scores + logp
+        logp = torch.log_softmax(logits, dim=-1).view(a * w, vocab)
+        if k == 1:
+            best, tok = logp.max(dim=-1, keepdim=True)  # (A, 1): argmax, the first of equals
+            self.scores = self.scores + best
             self.length = (step + 1)[:, None]
             self.eos = self.finished = tok == eos_id
-            self.history[torch.arange(a, device=step.device), :, step] = tok
-            return torch.arange(a, device=tok.device), tok
-        scores, length, finished = self.scores[:, :w], self.length[:, :w], self.finished[:, :w, None]
-        candidates = logp.view(a, w, k) + scores[..., None]  # raw log P, (A, W, K)
-        scale = length_penalty(step + 1, alpha)[:, None]  # (A, 1)
-        done = (scores / length_penalty(length, alpha) * scale)[..., None]  # (A, W, 1)
-        candidates = torch.where(finished, done + self.only_first, candidates)
-        tok = torch.where(finished, self.pad_id, tok.view(a, w, k))
+            self.history.scatter_(2, step.view(a, 1, 1), tok.view(a, 1, 1))
+            return None, tok
+        logp, tok = top_k(logp, k)  # (A*W, K)
+        candidates = logp.view(a, w, k) + self.scores[:, :w, None]  # raw log P, (A, W, K)
+        tok = tok.view(a, w, k)
+        settled = bool(self.finished[:, :w].any())
+        if settled:
+            scale = length_penalty(step + 1, alpha)[:, None]  # (A, 1)
+            done = (self.scores[:, :w] / length_penalty(self.length[:, :w], alpha) * scale)[..., None]
+            finished = self.finished[:, :w, None]  # (A, W, 1)
+            candidates = torch.where(finished, done + self.only_first, candidates)
+            tok = torch.where(finished, self.pad_id, tok)
         raw, flat = candidates.view(a, w * k).topk(k, dim=-1)  # (A, K), best first
         beam, tok = flat // k, tok.view(a, w * k).gather(1, flat)
-        was_finished = self.finished.gather(1, beam)
-        self.scores = torch.where(was_finished, self.scores.gather(1, beam), raw)
-        self.length = torch.where(was_finished, self.length.gather(1, beam), step[:, None] + 1)
-        self.eos = self.eos.gather(1, beam) | (~was_finished & (tok == eos_id))
-        self.finished = was_finished | self.eos
-        self.history = self.history.gather(1, beam[..., None].expand(-1, -1, self.history.shape[2]))
-        self.history[torch.arange(a, device=step.device), :, step] = tok
-        return (beam + torch.arange(a, device=beam.device)[:, None] * w).view(-1), tok
+        if settled:
+            was_finished = self.finished.gather(1, beam)
+            self.scores = torch.where(was_finished, self.scores.gather(1, beam), raw)
+            self.length = torch.where(was_finished, self.length.gather(1, beam), step[:, None] + 1)
+            self.eos = self.eos.gather(1, beam) | (~was_finished & (tok == eos_id))
+            self.finished = was_finished | self.eos
+        else:
+            self.scores, self.length = raw, (step + 1)[:, None].expand(a, k)
+            self.eos = self.finished = tok == eos_id
+        history = self.history
+        self.history = history.gather(1, beam[..., None].expand(-1, -1, history.shape[2]))
+        self.history.scatter_(2, step.view(a, 1, 1).expand(a, k, 1), tok[..., None])
+        return (beam + self._row_offsets(a, w)).view(-1), tok
+
+    def _row_offsets(self, a: int, w: int) -> torch.Tensor:
+        """(A, 1): the first of each sentence's W rows, kept while the batch keeps its shape."""
+        if self._offsets.shape[0] != a or self._offsets_width != w:
+            self._offsets = torch.arange(a, device=self._offsets.device)[:, None] * w
+            self._offsets_width = w
+        return self._offsets
+
+    def truncate(self, sentences: list[int]) -> None:
+        """These sentences reached their length limit: every hypothesis of theirs is finished
+        (the live ones unfinished, ``eos`` False)."""
+        self.finished = self.finished.clone()
+        self.finished[sentences] = True
 
     def hypotheses(self, i: int, n_best: int, alpha: float) -> list[Hypothesis]:
         """The n best of active sentence i (already sorted by normalized score)."""

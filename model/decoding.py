@@ -118,10 +118,11 @@ class _SentenceRows:
     ``width``: 1 until the batch's first step, then K). Only ``append`` and ``select`` add and
     remove sentences, so the fields cannot fall out of step.
 
-    Steps are kept twice, on purpose: as device tensors (``start``, ``stop``) that the step's
-    vectorized ops read, and as host lists (``start_host``, ``stop_host``, with the host-only
-    ``source_lengths``) that the session's control flow reads: how many cache positions to
-    forget, whether anyone joined late, how much room a reorder leaves, the source width.
+    The start steps are kept twice, on purpose: as a device tensor (``start``) that the step's
+    vectorized ops read, and as a host list (``start_host``); the limits (``stop_host``) and
+    ``source_lengths`` live on the host only. The session's control flow reads the host lists:
+    how many cache positions to forget, whether anyone joined late, how much room a reorder
+    leaves, who reached their limit, the source width.
     Reading a device tensor to take a branch costs a device sync (an ``.item()`` or
     ``.tolist()``) every step; the host lists answer min/max without touching the device.
 
@@ -135,7 +136,6 @@ class _SentenceRows:
         self.start_host: list[int] = []  # the step each sentence joined at
         self.start = torch.zeros(0, dtype=torch.long, device=device)  # (A,) the same, on the device
         self.stop_host: list[int] = []  # the step each sentence is cut at (its length limit)
-        self.stop = torch.zeros(0, dtype=torch.long, device=device)  # (A,) the same, on the device
         self.source_lengths: list[int] = []  # source tokens (EOS included); host only
         self.memory_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=device)  # (A, 1, 1, S)
         self.tokens = torch.zeros(0, 1, dtype=torch.long, device=device)  # (A, W) next step's input
@@ -172,7 +172,6 @@ class _SentenceRows:
         self.start = torch.cat([self.start, self.start.new_full((b,), step)])
         stop_host = stop.tolist()
         self.stop_host.extend(stop_host)
-        self.stop = torch.cat([self.stop, stop])
         self.source_lengths.extend(source_lengths)
         self.memory_mask = cat_padded(self.memory_mask, mask, dim=3)
         self.tokens = torch.cat([self.tokens, self.tokens.new_full((b, w), bos_id)])
@@ -182,8 +181,6 @@ class _SentenceRows:
         """These sentences stop at ``step`` at the latest."""
         for i in sentences:
             self.stop_host[i] = min(self.stop_host[i], step)
-        if sentences:
-            self.stop[sentences] = self.stop[sentences].clamp(max=step)
 
     def select(self, kept: list[int], keep: torch.Tensor) -> None:
         """Only sentences ``kept`` stay, in that order (keep: (A',), the same on the device);
@@ -196,7 +193,7 @@ class _SentenceRows:
         self.source_lengths = [self.source_lengths[i] for i in kept]
         self.gather = keep if self.gather is None else self.gather.view(a, w)[keep].reshape(-1)
         self.memory_mask = self.memory_mask[keep, :, :, : self.source_width]
-        self.start, self.stop = self.start[keep], self.stop[keep]
+        self.start = self.start[keep]
         self.tokens = self.tokens[keep]
         self.beams.keep(keep)
 
@@ -325,10 +322,12 @@ class DecodeSession:
         logits = self._decoder(rows.tokens.reshape(-1), cache, rows.memory_mask, positions, self_mask).float()
         beams = rows.beams
         back, tokens = beams.advance(logits.view(a, w, -1), self.steps - rows.start, alpha, self.model.config.eos_id)
-        beams.finished = beams.finished | (rows.stop <= self.steps + 1)[:, None]  # truncated at the limit
         self.steps += 1
+        truncated = [i for i, stop in enumerate(rows.stop_host) if stop <= self.steps]  # at the limit
+        if truncated:
+            beams.truncate(truncated)
         rows.tokens = tokens  # (A, K): every sentence has K rows from now on
-        if self.k > 1:  # greedy rows stay in place
+        if back is not None:  # greedy rows stay in place
             rows.gather = back
 
     def _harvest(self) -> tuple[list[int], list[Finished]]:

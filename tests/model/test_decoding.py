@@ -118,6 +118,66 @@ def test_mixed_length_batch_matches_each_sentence_alone(beam_size: int, vocab: i
             assert a.score == pytest.approx(t.score, abs=1e-4)
 
 
+def reference_beam_search(
+    model: torch.nn.Module, row: list[int], k: int, alpha: float, limit: int
+) -> list[tuple[tuple[int, ...], float, bool]]:
+    """Beam search as the textbook states it, one sentence, every prefix recomputed without a
+    cache: each step, every live hypothesis's V continuations and every finished hypothesis
+    itself compete on GNMT-normalized score; the K best stay; done when all K are finished
+    (EOS) or ``limit`` tokens were generated. -> (ids without EOS, normalized score, finished)."""
+    eos, bos = model.config.eos_id, model.config.bos_id
+    src = torch.tensor([row])
+    beams: list[tuple[list[int], float, bool]] = [([], 0.0, False)]  # ids (EOS included), raw log P, finished
+
+    def lp(n: int) -> float:
+        return ((5.0 + n) / 6.0) ** alpha
+
+    for t in range(limit):
+        candidates = []
+        for ids, raw, finished in beams:
+            if finished:
+                candidates.append((raw / lp(len(ids)), ids, raw, True))
+                continue
+            with torch.no_grad():
+                logits = model(src, torch.tensor([[bos, *ids]]))[0, -1]
+            logp = torch.log_softmax(logits.double(), dim=-1).tolist()
+            for tok, lp_tok in enumerate(logp):
+                if tok != model.config.pad_id:
+                    candidates.append(((raw + lp_tok) / lp(t + 1), [*ids, tok], raw + lp_tok, tok == eos))
+        candidates.sort(key=lambda c: -c[0])
+        beams = [(ids, raw, fin) for _, ids, raw, fin in candidates[:k]]
+        if all(fin for _, _, fin in beams):
+            break
+    return [(tuple(ids[:-1] if fin else ids), raw / lp(len(ids)), fin) for ids, raw, fin in beams]
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_beam_search_matches_the_textbook_search(beam_size: int, alpha: float) -> None:
+    """The batched search (top-k per row first, finished hypotheses mapped into the live ones'
+    raw scale, the shorter paths while nothing is finished, greedy's argmax) returns the
+    n-best of the plain one, sentences of a batch finishing at different steps, some at the
+    length limit."""
+    model = make_model(seed=8)
+    rows = sources(6, seed=17, max_len=10)
+    with torch.no_grad():  # EOS about as likely as the token greedy search emits most
+        greedy = decode(model, pad(rows, 0), DecodingOptions(beam_size=1)).hypotheses
+        emitted = [t for hyps in greedy for t in hyps[0].ids]
+        tokens = model.tgt_embed.tokens.weight
+        tokens[model.config.eos_id] = tokens[max(set(emitted), key=emitted.count)] * 1.02
+    opts = DecodingOptions(beam_size, n_best=beam_size, length_penalty=alpha, max_length_a=0.0, max_length_b=7)
+    got = decode(model, pad(rows, 0), opts).hypotheses
+    finished_flags = set()
+    for row, hyps in zip(rows, got, strict=True):
+        expected = reference_beam_search(model, row, beam_size, alpha, limit=7)
+        assert [h.ids for h in hyps] == [ids for ids, _, _ in expected]
+        for h, (_, score, finished) in zip(hyps, expected, strict=True):
+            assert h.finished == finished
+            assert h.score == pytest.approx(score, abs=1e-4)
+            finished_flags.add(finished)
+    assert finished_flags == {True, False}  # both EOS-finished and truncated hypotheses occur
+
+
 @pytest.mark.parametrize("vocab", [V, BIG_V])
 def test_n_best_sorted_and_distinct(vocab: int) -> None:
     model = make_model(seed=4, vocab=vocab)
