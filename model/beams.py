@@ -112,7 +112,8 @@ class Beams:
         self, logits: torch.Tensor, step: torch.Tensor, alpha: float, eos_id: int
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """logits: (A, W, V) float32 next-token logits of each sentence's first W hypotheses
-        (W = 1 at a batch's first step, else K), step: (A,) each sentence's steps so far
+        (W = 1 at a batch's first step, else K; overwritten with their log-probabilities),
+        step: (A,) each sentence's steps so far
         -> back-pointer rows (A*K,) into the A*W (None for greedy search: rows stay in
         place), and the tokens chosen (A, K).
 
@@ -130,7 +131,7 @@ class Beams:
         """
         a, w, vocab = logits.shape
         k = self.k
-        logp = torch.log_softmax(logits, dim=-1).view(a * w, vocab)
+        logp = torch.log_softmax(logits, dim=-1, out=logits).view(a * w, vocab)  # in place: no second (R, V) buffer
         if k == 1:
             best, tok = logp.max(dim=-1, keepdim=True)  # (A, 1): argmax, the first of equals
             self.scores = self.scores + best
