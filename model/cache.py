@@ -154,19 +154,21 @@ class SelfAttentionCache:
         # a new buffer gets SPARE_SLOTS more, so beam search (one more slot per step) reallocates rarely
         extra = n * self.heads * SPARE_SLOTS * self.head_dim
         gathered = []
-        for buffer in (self._k, self._v):
+        for buffer, laid_out in ((self._k, self._k4), (self._v, self._v4)):
             into = self._spare.take(buffer, needed, extra)
-            source = self._layout(buffer, self.rows, self.slots)[:, :, drop : self.length]
-            target = self._layout(into, n, slots)[:, :, :new]
-            torch.index_select(source, 0, rows, out=target[:kept])
+            source = laid_out if drop == 0 and self.length == self.slots else laid_out[:, :, drop : self.length]
+            layout = self._layout(into, n, slots)  # (n, H, slots, Dh): the next layout
+            target = layout if new == slots else layout[:, :, :new]
+            torch.index_select(source, 0, rows, out=target[:kept] if add else target)
             if add:
                 target[kept:].zero_()
             self._spare.give(buffer)
-            gathered.append(into)
-        self._k, self._v = gathered
+            gathered.append((into, layout))
+        (self._k, self._k4), (self._v, self._v4) = gathered
         self.rows, self.slots, self.length = n, slots, new
         self.capacity = max(self.capacity, slots)
-        self._lay_out()
+        merged = (n * self.heads, slots, self.head_dim)
+        self._k3, self._v3 = self._k4.view(merged), self._v4.view(merged)
 
 
 class CrossAttentionCache:
