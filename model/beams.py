@@ -142,8 +142,8 @@ class Beams:
         logp, tok = top_k(logp, k)  # (A*W, K)
         candidates = logp.view(a, w, k) + self.scores[:, :w, None]  # raw log P, (A, W, K)
         tok = tok.view(a, w, k)
-        settled = bool(self.finished[:, :w].any())
-        if settled:
+        any_finished = bool(self.finished[:, :w].any())
+        if any_finished:
             scale = length_penalty(step + 1, alpha)[:, None]  # (A, 1)
             done = (self.scores[:, :w] / length_penalty(self.length[:, :w], alpha) * scale)[..., None]
             finished = self.finished[:, :w, None]  # (A, W, 1)
@@ -151,7 +151,7 @@ class Beams:
             tok = torch.where(finished, self.pad_id, tok)
         raw, flat = candidates.view(a, w * k).topk(k, dim=-1)  # (A, K), best first
         beam, tok = flat // k, tok.view(a, w * k).gather(1, flat)
-        if settled:
+        if any_finished:
             was_finished = self.finished.gather(1, beam)
             self.scores = torch.where(was_finished, self.scores.gather(1, beam), raw)
             self.length = torch.where(was_finished, self.length.gather(1, beam), step[:, None] + 1)

@@ -142,8 +142,7 @@ def reference_beam_search(
                 logits = model(src, torch.tensor([[bos, *ids]]))[0, -1]
             logp = torch.log_softmax(logits.double(), dim=-1).tolist()
             for tok, lp_tok in enumerate(logp):
-                if tok != model.config.pad_id:
-                    candidates.append(((raw + lp_tok) / lp(t + 1), [*ids, tok], raw + lp_tok, tok == eos))
+                candidates.append(((raw + lp_tok) / lp(t + 1), [*ids, tok], raw + lp_tok, tok == eos))
         candidates.sort(key=lambda c: -c[0])
         beams = [(ids, raw, fin) for _, ids, raw, fin in candidates[:k]]
         if all(fin for _, _, fin in beams):
