@@ -48,7 +48,10 @@ API_KEY_HEADER = APIKeyHeader(name="X-API-Key", auto_error=False, description=f"
 BEARER = HTTPBearer(auto_error=False, description=f"API key as a bearer token: {KEYS_NOTE}")
 
 
-def get_state(request: Request) -> AppState:
+# Dependencies are ``async def`` even where they do not await: FastAPI runs a plain ``def``
+# dependency in its thread pool, a hand-off per request that cost the event loop a fifth of its
+# time at 64 clients (docs/benchmarks.md "Serving: the event loop's share").
+async def get_state(request: Request) -> AppState:
     state: AppState = request.app.state.translator
     return state
 
@@ -56,7 +59,7 @@ def get_state(request: Request) -> AppState:
 StateDep = Annotated[AppState, Depends(get_state)]
 
 
-def get_settings(state: StateDep) -> Settings:
+async def get_settings(state: StateDep) -> Settings:
     return state.settings
 
 
@@ -206,12 +209,14 @@ class Directed(Protocol):
     target: str
 
 
-def direction_service(body_dependency: Callable[..., Awaitable[Directed]]) -> Callable[..., TranslationService]:
+def direction_service(
+    body_dependency: Callable[..., Awaitable[Directed]],
+) -> Callable[..., Awaitable[TranslationService]]:
     """The dependency that gives the ``TranslationService`` of the direction the body (read by
     ``body_dependency``, one made by ``body``) names: 503 while loading, 400 for a pair no
     model serves."""
 
-    def dependency(state: StateDep, payload: Annotated[Directed, Depends(body_dependency)]) -> TranslationService:
+    async def dependency(state: StateDep, payload: Annotated[Directed, Depends(body_dependency)]) -> TranslationService:
         return state.service(payload.source, payload.target)
 
     return dependency

@@ -406,7 +406,7 @@ async def download_file(name: str, state: StateDep) -> Response:
     return uploads.download(stored)
 
 
-def suggestions_enabled(state: StateDep) -> None:
+async def suggestions_enabled(state: StateDep) -> None:
     if state.suggestions is None:
         raise ApiError(403, "suggestions_disabled", "suggestions are disabled on this server")
 
