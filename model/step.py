@@ -1,5 +1,6 @@
 """The incremental decoder step at inference: the network's decoder math on its KV cache,
-written for few operations per step.
+written for few operations per step; and ``EncoderPass``, the encoder written the same way for
+the sentences a decoding session admits.
 
 At the batch sizes of interactive use (one sentence: 1 row greedy, 4 rows beam 4) a step's
 arithmetic is small, and what it costs is the number of operations and Python calls around
@@ -27,10 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.attention import attend
 from model.cache import KVCache
 from model.kernels import BoundLinear, LinearKernel, bind
 from model.linear import Linear, linear, uses_kernels
-from model.transformer import DecoderLayer, Transformer
+from model.masks import padding_mask
+from model.transformer import DecoderLayer, EncoderLayer, Transformer
 
 
 def _bound(module: Linear) -> BoundLinear:
@@ -190,6 +193,64 @@ class DecoderStep:
         if self.final_norm is not None:
             x = self.final_norm(x)
         return self.output(x, False)
+
+    def _residual(self, x: torch.Tensor, y: torch.Tensor, norm: _Norm) -> torch.Tensor:
+        """Post-LN: norm(x + y); pre-LN (y computed from norm(x)): x + y."""
+        return x + y if self.norm_first else norm(x + y)
+
+
+@dataclass(frozen=True)
+class _EncoderLayer:
+    """One encoder layer's weights, bound: fused QKV, attention output, feed-forward, two norms."""
+
+    qkv: BoundLinear
+    out: BoundLinear
+    fc1: BoundLinear
+    fc2: BoundLinear
+    attn_norm: _Norm
+    ff_norm: _Norm
+
+    @classmethod
+    def of(cls, layer: EncoderLayer) -> _EncoderLayer:
+        sa, ff = layer.self_attn, layer.ff
+        return cls(
+            _bound(sa.qkv), _bound(sa.out), _bound(ff.fc1), _bound(ff.fc2),
+            _Norm.of(layer.attn_block.norm), _Norm.of(layer.ff_block.norm),
+        )  # fmt: skip
+
+
+class EncoderPass:
+    """A model's encoder at inference, weights bound to their kernels once: the same math as
+    ``Transformer.encode`` (the same attention function, so the same numbers), without the
+    module calls around it. A decoding session encodes every sentence that joins it, a few at a
+    time under continuous batching, where the modules' per-call overhead was a sixth of the
+    encoder's time (docs/benchmarks.md "Serving: the event loop's share"). Inference only, bound
+    kernels only (``uses_kernels``); weights must not change while it is used."""
+
+    def __init__(self, model: Transformer) -> None:
+        cfg = model.config
+        self.model = model
+        self.heads, self.pad_id, self.norm_first = cfg.n_heads, cfg.pad_id, cfg.norm_first
+        self.layers = [_EncoderLayer.of(layer) for layer in model.encoder_layers]
+        self.final_norm = None if model.encoder_norm is None else _Norm.of(model.encoder_norm)
+
+    def __call__(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """src: (B, S) ids -> memory (B, S, D), source mask (B, 1, 1, S)."""
+        mask = padding_mask(src, self.pad_id)
+        x = self.model.src_embed(src)  # (B, S, D)
+        b, s, d = x.shape
+        h = self.heads
+        x = x.reshape(b * s, d)
+        for layer in self.layers:
+            y = layer.attn_norm(x) if self.norm_first else x
+            q, k, v = layer.qkv(y, False).view(b, s, 3, h, d // h).permute(2, 0, 3, 1, 4)  # (B, H, S, Dh) each
+            out, _ = attend(q, k, v, mask)
+            x = self._residual(x, layer.out(out.transpose(1, 2).reshape(b * s, d), False), layer.attn_norm)
+            y = layer.ff_norm(x) if self.norm_first else x
+            x = self._residual(x, layer.fc2(layer.fc1(y, True), False), layer.ff_norm)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return x.view(b, s, d), mask
 
     def _residual(self, x: torch.Tensor, y: torch.Tensor, norm: _Norm) -> torch.Tensor:
         """Post-LN: norm(x + y); pre-LN (y computed from norm(x)): x + y."""

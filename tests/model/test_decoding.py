@@ -9,7 +9,7 @@ from bench import naive
 from model.beams import TOP_K_BLOCK, top_k
 from model.data import pad
 from model.decoding import DecodeSession, DecodingOptions, decode, decode_stream
-from model.step import DecoderStep
+from model.step import DecoderStep, EncoderPass
 from tests.factories import V, assert_steps_match, make_model
 
 # A vocabulary large enough for decoding's blocked top-k on the CPU (V = 60 uses torch.topk).
@@ -51,6 +51,23 @@ def test_cached_steps_match_full_recomputation(norm_first: bool, positions: str,
         full = model(src, tgt)  # (B, T, V), teacher-forced, no cache
     with torch.inference_mode(inference):
         assert_steps_match(model, src, tgt, full, tol=1e-5)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_the_encoder_pass_matches_the_modules(norm_first: bool, positions: str) -> None:
+    """``EncoderPass`` (bound kernels, what a decoding session admits sentences with) gives the
+    modules' encoder output and mask, for padded batches of short sources (the explicit
+    attention path) and longer ones (SDPA), post-LN and pre-LN."""
+    model = make_model(norm_first=norm_first, positions=positions)
+    with torch.inference_mode():
+        encoder = EncoderPass(model)
+        for rows in (sources(3, seed=2, min_len=1, max_len=6), sources(5, seed=3, min_len=2, max_len=30)):
+            src = pad(rows, 0)
+            expected, expected_mask, _ = model.encode(src)
+            memory, mask = encoder(src)
+            assert torch.equal(mask, expected_mask)
+            torch.testing.assert_close(memory, expected, atol=1e-6, rtol=1e-6)
 
 
 def test_a_step_with_beams_and_late_rows_matches_each_row_alone() -> None:
