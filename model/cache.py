@@ -86,11 +86,12 @@ class SelfAttentionCache:
         """(rows, H, slots, Dh) view of the front of a flat buffer."""
         return flat[: rows * self.heads * slots * self.head_dim].view(rows, self.heads, slots, self.head_dim)
 
-    def _lay_out(self) -> None:
+    def _lay_out(self, k4: torch.Tensor | None = None, v4: torch.Tensor | None = None) -> None:
         """Views of the current buffers, made once per layout (a step reads them as they are):
-        (R, H, slots, Dh) and the same with rows and heads merged, (R*H, slots, Dh)."""
-        self._k4 = self._layout(self._k, self.rows, self.slots)
-        self._v4 = self._layout(self._v, self.rows, self.slots)
+        (R, H, slots, Dh) (``k4``, ``v4``: already made by the caller) and the same with rows
+        and heads merged, (R*H, slots, Dh)."""
+        self._k4 = self._layout(self._k, self.rows, self.slots) if k4 is None else k4
+        self._v4 = self._layout(self._v, self.rows, self.slots) if v4 is None else v4
         merged = (self.rows * self.heads, self.slots, self.head_dim)
         self._k3, self._v3 = self._k4.view(merged), self._v4.view(merged)
 
@@ -164,11 +165,10 @@ class SelfAttentionCache:
                 target[kept:].zero_()
             self._spare.give(buffer)
             gathered.append((into, layout))
-        (self._k, self._k4), (self._v, self._v4) = gathered
+        (self._k, k4), (self._v, v4) = gathered
         self.rows, self.slots, self.length = n, slots, new
         self.capacity = max(self.capacity, slots)
-        merged = (n * self.heads, slots, self.head_dim)
-        self._k3, self._v3 = self._k4.view(merged), self._v4.view(merged)
+        self._lay_out(k4, v4)
 
 
 class CrossAttentionCache:
