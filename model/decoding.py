@@ -18,7 +18,6 @@ import torch
 
 from model.beams import Beams, Hypothesis, cat_padded
 from model.cache import KVCache
-from model.linear import uses_kernels
 from model.step import DecoderStep, EncoderPass
 from model.transformer import Transformer
 
@@ -249,7 +248,9 @@ class DecodeSession:
         if len(tags) != src.shape[0]:
             raise ValueError(f"{len(tags)} tags for {src.shape[0]} sentences")
         model, cfg, rows = self.model, self.model.config, self._rows
-        memory, mask = self._encode(src)  # (B, S, D), (B, 1, 1, S)
+        if self._encoder is None:
+            self._encoder = EncoderPass(model)
+        memory, mask = self._encoder(src)  # (B, S, D), (B, 1, 1, S)
         src_lengths = mask.sum(dim=(1, 2, 3))
         limit = max_steps(src_lengths, self.options, cfg.max_tokens)  # (B,)
         if self._cache is None:  # one row per sentence, widened to K by the first step
@@ -259,16 +260,6 @@ class DecodeSession:
             rows.added += src.shape[0] * rows.width
         rows.append(tags, self.steps, self.steps + limit, src_lengths.tolist(), mask, cfg.bos_id)
         assert self._cache.source_length >= rows.source_width
-
-    def _encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """src (B, S) -> memory (B, S, D), source mask (B, 1, 1, S): through the bound
-        ``EncoderPass`` where the linear layers run on their kernels, else the modules."""
-        if not uses_kernels(src.device):
-            memory, mask, _ = self.model.encode(src)
-            return memory, mask
-        if self._encoder is None:
-            self._encoder = EncoderPass(self.model)
-        return self._encoder(src)
 
     @torch.inference_mode()
     def cancel(self, tags: Collection[int]) -> int:

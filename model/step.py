@@ -92,6 +92,12 @@ class _Layer:
         )  # fmt: skip
 
 
+def _residual(x: torch.Tensor, y: torch.Tensor, norm: _Norm, norm_first: bool) -> torch.Tensor:
+    """A sub-layer's output y joins the stream x: post-LN norm(x + y); pre-LN (y computed from
+    norm(x)) x + y."""
+    return x + y if norm_first else norm(x + y)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """q (N, Tq, Dh) already scaled, k and v (N, Tk, Dh), bias (N, 1, Tk) | None -> (N, Tq, Dh)."""
     scores = torch.bmm(q, k.transpose(1, 2)) if bias is None else torch.baddbmm(bias, q, k.transpose(1, 2))
@@ -179,24 +185,20 @@ class DecoderStep:
             cached.write(qkv[:, d : 2 * d].view(r, h, 1, dh), qkv[:, 2 * d :].view(r, h, 1, dh))
             k, v = cached.flat()  # (R*H, L+1, Dh)
             out = _attend(q, k, v, self_bias).view(r, d)  # (R*H, 1, Dh) is (R, D)
-            x = self._residual(x, layer.self_out(out, False), layer.self_norm)
+            x = _residual(x, layer.self_out(out, False), layer.self_norm, self.norm_first)
             # cross-attention: a sentence's W hypotheses query its memory together
             hx = layer.cross_norm(x) if self.norm_first else x
             q = torch.mul(layer.cross_q(hx, False), scale)  # (R, D)
             q = q.view(b * h, 1, dh) if w == 1 else q.view(b, w, h, dh).transpose(1, 2).reshape(b * h, w, dh)
             out = _attend(q, *layer_cache.cross_attention.flat, cross_bias)  # (B*H, W, Dh)
             out = out.view(r, d) if w == 1 else out.view(b, h, w, dh).transpose(1, 2).reshape(r, d)
-            x = self._residual(x, layer.cross_out(out, False), layer.cross_norm)
+            x = _residual(x, layer.cross_out(out, False), layer.cross_norm, self.norm_first)
             # feed-forward
             hx = layer.ff_norm(x) if self.norm_first else x
-            x = self._residual(x, layer.fc2(layer.fc1(hx, True), False), layer.ff_norm)
+            x = _residual(x, layer.fc2(layer.fc1(hx, True), False), layer.ff_norm, self.norm_first)
         if self.final_norm is not None:
             x = self.final_norm(x)
         return self.output(x, False)
-
-    def _residual(self, x: torch.Tensor, y: torch.Tensor, norm: _Norm) -> torch.Tensor:
-        """Post-LN: norm(x + y); pre-LN (y computed from norm(x)): x + y."""
-        return x + y if self.norm_first else norm(x + y)
 
 
 @dataclass(frozen=True)
@@ -211,10 +213,11 @@ class _EncoderLayer:
     ff_norm: _Norm
 
     @classmethod
-    def of(cls, layer: EncoderLayer) -> _EncoderLayer:
+    def of(cls, layer: EncoderLayer, fast: bool) -> _EncoderLayer:
+        b = _bound if fast else _through_linear
         sa, ff = layer.self_attn, layer.ff
         return cls(
-            _bound(sa.qkv), _bound(sa.out), _bound(ff.fc1), _bound(ff.fc2),
+            b(sa.qkv), b(sa.out), b(ff.fc1), b(ff.fc2),
             _Norm.of(layer.attn_block.norm), _Norm.of(layer.ff_block.norm),
         )  # fmt: skip
 
@@ -224,14 +227,17 @@ class EncoderPass:
     ``Transformer.encode`` (the same attention function, so the same numbers), without the
     module calls around it. A decoding session encodes every sentence that joins it, a few at a
     time under continuous batching, where the modules' per-call overhead was a sixth of the
-    encoder's time (docs/benchmarks.md "Serving: the event loop's share"). Inference only, bound
-    kernels only (``uses_kernels``); weights must not change while it is used."""
+    encoder's time (docs/benchmarks.md "Serving: the event loop's share"). Inference only: no
+    dropout, and weights must not change while it is used; where the linear layers do not run
+    on their kernels (``uses_kernels``: a GPU, autograd, autocast), it takes the modules' path,
+    as ``DecoderStep`` does."""
 
     def __init__(self, model: Transformer) -> None:
         cfg = model.config
         self.model = model
         self.heads, self.pad_id, self.norm_first = cfg.n_heads, cfg.pad_id, cfg.norm_first
-        self.layers = [_EncoderLayer.of(layer) for layer in model.encoder_layers]
+        fast = uses_kernels(model.output_matrix().device)
+        self.layers = [_EncoderLayer.of(layer, fast) for layer in model.encoder_layers]
         self.final_norm = None if model.encoder_norm is None else _Norm.of(model.encoder_norm)
 
     def __call__(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,13 +251,10 @@ class EncoderPass:
             y = layer.attn_norm(x) if self.norm_first else x
             q, k, v = layer.qkv(y, False).view(b, s, 3, h, d // h).permute(2, 0, 3, 1, 4)  # (B, H, S, Dh) each
             out, _ = attend(q, k, v, mask)
-            x = self._residual(x, layer.out(out.transpose(1, 2).reshape(b * s, d), False), layer.attn_norm)
+            merged = out.transpose(1, 2).reshape(b * s, d)  # heads merged, rows in (B, S) order
+            x = _residual(x, layer.out(merged, False), layer.attn_norm, self.norm_first)
             y = layer.ff_norm(x) if self.norm_first else x
-            x = self._residual(x, layer.fc2(layer.fc1(y, True), False), layer.ff_norm)
+            x = _residual(x, layer.fc2(layer.fc1(y, True), False), layer.ff_norm, self.norm_first)
         if self.final_norm is not None:
             x = self.final_norm(x)
         return x.view(b, s, d), mask
-
-    def _residual(self, x: torch.Tensor, y: torch.Tensor, norm: _Norm) -> torch.Tensor:
-        """Post-LN: norm(x + y); pre-LN (y computed from norm(x)): x + y."""
-        return x + y if self.norm_first else norm(x + y)

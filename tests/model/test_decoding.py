@@ -53,14 +53,16 @@ def test_cached_steps_match_full_recomputation(norm_first: bool, positions: str,
         assert_steps_match(model, src, tgt, full, tol=1e-5)
 
 
+@pytest.mark.parametrize("inference", [True, False], ids=["bound-kernels", "module-linears"])
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
-def test_the_encoder_pass_matches_the_modules(norm_first: bool, positions: str) -> None:
-    """``EncoderPass`` (bound kernels, what a decoding session admits sentences with) gives the
-    modules' encoder output and mask, for padded batches of short sources (the explicit
-    attention path) and longer ones (SDPA), post-LN and pre-LN."""
+def test_the_encoder_pass_matches_the_modules(norm_first: bool, positions: str, inference: bool) -> None:
+    """``EncoderPass`` (what a decoding session admits sentences with) gives the modules'
+    encoder output and mask, for padded batches of short sources (the explicit attention path)
+    and longer ones (SDPA), post-LN and pre-LN, on bound kernels (inference mode) and through
+    the modules' linears (grad enabled)."""
     model = make_model(norm_first=norm_first, positions=positions)
-    with torch.inference_mode():
+    with torch.inference_mode(inference):
         encoder = EncoderPass(model)
         for rows in (sources(3, seed=2, min_len=1, max_len=6), sources(5, seed=3, min_len=2, max_len=30)):
             src = pad(rows, 0)
