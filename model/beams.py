@@ -175,7 +175,7 @@ class Beams:
     def truncate(self, sentences: list[int]) -> None:
         """These sentences reached their length limit: every hypothesis of theirs is finished
         (the live ones unfinished, ``eos`` False)."""
-        self.finished = self.finished.clone()
+        self.finished = self.finished.clone()  # (after a step ``finished`` may be ``eos`` itself)
         self.finished[sentences] = True
 
     def hypotheses(self, i: int, n_best: int, alpha: float) -> list[Hypothesis]:
