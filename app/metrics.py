@@ -93,5 +93,8 @@ class Metrics:
         self.cache_hits = Counter("translator_cache_hits", "Sentences answered from the cache", registry=r)
         self.cache_misses = Counter("translator_cache_misses", "Sentences not in the cache", registry=r)
         self.model_info = Gauge(
-            "translator_model_info", "Loaded models (value 1)", ["direction", "device", "dtype"], registry=r
+            "translator_model_info",
+            "Loaded models (value 1)",
+            ["direction", "device", "dtype", "vocabulary"],
+            registry=r,
         )

@@ -191,6 +191,10 @@ class DirectionInfo(BaseModel):
     n_heads: int
     device: str
     dtype: str
+    vocabulary: Literal["shortlist", "full"] = Field(
+        description="what a decoder step scores: the checkpoint's lexical shortlist (TRANSLATOR_SHORTLIST) "
+        "or every piece"
+    )
     kernel: str = Field(description="what runs the linear layers (model.kernels: onednn, aten, fbgemm-int8)")
     step_kernel: str = Field(
         description="what runs the decoder step's layers (aten: F.linear, on Intel CPUs; wx: MKL as W·xᵀ; or as kernel)"

@@ -133,12 +133,14 @@ class LoadedModel:
         self.device = resolve_device(settings.device)
         self.precision = resolve_precision(settings.dtype, self.device.type)
         self.ckpt = checkpoint.load(path, self.device, self.precision)
+        self.shortlist = checkpoint.shortlist_for(self.ckpt, settings.shortlist)
+        self.vocabulary = "full" if self.shortlist is None else "shortlist"
         self.path, self.meta, self.plan = path, self.ckpt.meta, self.ckpt.plan
         self.directions = checkpoint.directions(self.meta)
         self.tagged = bool(self.meta.get("target_tags"))
         self.label = path.name if self.tagged else f"{self.directions[0][0]}-{self.directions[0][1]}"
         self.quality = _read_metrics(path)  # metrics.json: per direction for a many-to-many model
-        self.translator = Translator(self.ckpt.model, self.ckpt.tokenizer)  # sources come with their tags
+        self.translator = Translator(self.ckpt.model, self.ckpt.tokenizer, shortlist=self.shortlist)  # tagged sources
         limits = BatchLimits(
             settings.max_batch_sentences, settings.max_batch_tokens, settings.max_wait_ms / 1000, settings.queue_size
         )
@@ -155,7 +157,7 @@ class LoadedModel:
     def warm_up(self) -> None:
         """Run greedy and beam decoding once so the first request pays no one-time costs."""
         target = self.directions[0][1]
-        translator = Translator(self.ckpt.model, self.ckpt.tokenizer, self.ckpt.source_prefix(target))
+        translator = Translator(self.ckpt.model, self.ckpt.tokenizer, self.ckpt.source_prefix(target), self.shortlist)
         ids = translator.encode(["Ein Mann fährt mit dem Fahrrad.", "Zwei Hunde spielen im Schnee."])
         for beam in (1, 4):
             translator.decode_batch(ids, DecodingOptions(beam_size=beam))
@@ -175,12 +177,12 @@ class TranslationService:
         self.translator = Translator(loaded.ckpt.model, loaded.ckpt.tokenizer, self.prefix)
         self.settings, self.metrics = settings, loaded.metrics
         self.scheduler = loaded.scheduler
-        self._cache: OrderedDict[tuple[str, str, DecodingOptions], list[Hypothesis]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str, DecodingOptions], list[Hypothesis]] = OrderedDict()
         self.quality = loaded.quality.get(self.direction, {}) if loaded.tagged else loaded.quality
 
     def start(self) -> None:
         """The model's scheduler runs (``LoadedModel.start``); this direction is announced."""
-        self.metrics.model_info.labels(self.direction, self.device.type, self.precision).set(1)
+        self.metrics.model_info.labels(self.direction, self.device.type, self.precision, self.loaded.vocabulary).set(1)
 
     def _submit(self, sentences: Sequence[Sequence[int]], options: DecodingOptions) -> list[Job]:
         return self.scheduler.submit([[*self.prefix, *ids] for ids in sentences], options)
@@ -259,7 +261,7 @@ class TranslationService:
     def _cache_get(self, sentence: str, options: DecodingOptions) -> list[Hypothesis] | None:
         if self.settings.cache_size == 0:
             return None
-        key = (self.precision, sentence, options)  # int8 and float32 results never mix
+        key = (self.precision, self.loaded.vocabulary, sentence, options)  # int8 and float32 results never mix
         hit = self._cache.get(key)
         if hit is None:
             self.metrics.cache_misses.inc()
@@ -271,7 +273,7 @@ class TranslationService:
     def _cache_put(self, sentence: str, options: DecodingOptions, hyps: list[Hypothesis]) -> None:
         if self.settings.cache_size == 0:
             return
-        key = (self.precision, sentence, options)
+        key = (self.precision, self.loaded.vocabulary, sentence, options)
         self._cache[key] = hyps
         self._cache.move_to_end(key)
         while len(self._cache) > self.settings.cache_size:
@@ -352,6 +354,7 @@ class TranslationService:
             "n_heads": cfg.n_heads,
             "device": self.device.type,
             "dtype": self.precision,
+            "vocabulary": self.loaded.vocabulary,
             "kernel": self.plan.kernel,
             "step_kernel": self.plan.step,
             "cpu_isa": self.plan.isa if self.device.type == "cpu" else None,

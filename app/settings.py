@@ -39,6 +39,12 @@ class Settings(BaseSettings):
         "auto", description="auto: float16 on CUDA, float32 on CPU; int8: CPU only (needs AVX2)"
     )
     threads: int = Field(0, ge=0, description="torch CPU threads (0: torch's default)")
+    shortlist: bool = Field(
+        True,
+        description="float precisions: score only the lexical shortlist a checkpoint ships (shortlist.safetensors, "
+        "model/shortlist.py): faster; a few sentences in a hundred may differ from whole-vocabulary decoding; "
+        "false: the whole vocabulary (int8 always scores it: faster there)",
+    )
     host: str = Field("0.0.0.0", description="address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="level of the JSON logs")

@@ -1,7 +1,7 @@
 """Decoding throughput of our decoder against peers running the same weights.
 
     python -m bench.decode --device cpu|cuda --beam-size N [--limit N]
-        [--systems ours,ctranslate2,ctranslate2-int8,marian,naive] [--weights weights/de-en]
+        [--systems ours,ours-full,ctranslate2,ctranslate2-int8,marian,naive] [--weights weights/de-en]
         [--threads 2] [--batch-size 64] [--naive-limit 100] [--dtype float32] [--repeat 3]
         [--rounds 1] [--no-isolate]
 
@@ -10,7 +10,9 @@ beam_size, sentences, seconds, sentences_per_s, tokens_per_s, peak_mem_mb, bleu 
 batch_size, threads, dtype for context).
 
 Systems (all load the same checkpoint folder):
-- ``ours``: ``model.decoding`` (batched, KV cache, vectorized beam).
+- ``ours``: ``model.decoding`` (batched, KV cache, vectorized beam), scoring the checkpoint's
+  lexical shortlist where it ships one (``model.shortlist``; float precisions), as the service does;
+  ``ours-full`` (not in the default list): the same over the whole vocabulary.
 - ``ctranslate2`` / ``ctranslate2-int8``: the checkpoint converted by
   ``bench.ctranslate2_convert`` into a temporary directory (not timed), run as float32 /
   with ``compute_type="int8"``; ``inter_threads=1, intra_threads=--threads``.
@@ -198,8 +200,11 @@ def batch_limit(src_lengths: Sequence[int], options: DecodingOptions, cap: int) 
     return int(max_steps(torch.tensor([n + 1 for n in src_lengths]), options, cap).max())
 
 
-def setup_ours(ckpt: Checkpoint, batch_size: int, options: DecodingOptions) -> Translate:
-    translator = Translator(ckpt.model, ckpt.tokenizer)
+def setup_ours(ckpt: Checkpoint, batch_size: int, options: DecodingOptions, shortlist: bool = True) -> Translate:
+    """Ours as the service runs it: with the checkpoint's shortlist where it has one (float
+    precisions: ``checkpoint.shortlist_for``), unless ``shortlist`` is False (``ours-full``)."""
+    short = checkpoint.shortlist_for(ckpt, shortlist)
+    translator = Translator(ckpt.model, ckpt.tokenizer, shortlist=short)
     cap = ckpt.config.max_tokens
 
     def decode(chunk: list[list[int]]) -> list[tuple[int, ...]]:
@@ -322,6 +327,7 @@ class System:
 
 SYSTEMS: dict[str, System] = {
     "ours": System(lambda s, _: setup_ours(_ours(s), s.batch_size, s.options)),
+    "ours-full": System(lambda s, _: setup_ours(_ours(s), s.batch_size, s.options, shortlist=False), default=False),
     "ctranslate2": System(_setup_ctranslate2(int8=False), "bench.ctranslate2_convert", ctranslate2=True),
     "ctranslate2-int8": System(_setup_ctranslate2(int8=True), "bench.ctranslate2_convert", ctranslate2=True),
     "marian": System(_setup_marian, "bench.marian_convert"),

@@ -109,11 +109,17 @@ class Beams:
         self.history = cat_padded(self.history, self.history.new_full((b, self.k, steps), self.pad_id), dim=2)
 
     def advance(
-        self, logits: torch.Tensor, step: torch.Tensor, alpha: float, eos_id: int
+        self,
+        logits: torch.Tensor,
+        step: torch.Tensor,
+        alpha: float,
+        eos_id: int,
+        vocab: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """logits: (A, W, V) float32 next-token logits of each sentence's first W hypotheses
         (W = 1 at a batch's first step, else K; overwritten with their log-probabilities),
-        step: (A,) each sentence's steps so far
+        step: (A,) each sentence's steps so far, vocab: (V,) the token id of each logit column
+        when the logits cover a shortlist (None: column i is token i)
         -> back-pointer rows (A*K,) into the A*W (None for greedy search: rows stay in
         place), and the tokens chosen (A, K).
 
@@ -129,17 +135,21 @@ class Beams:
         with no finished hypothesis (the usual state until the first EOS), which need none of
         the finished hypotheses' bookkeeping.
         """
-        a, w, vocab = logits.shape
+        a, w, columns = logits.shape
         k = self.k
-        logp = torch.log_softmax(logits, dim=-1, out=logits).view(a * w, vocab)  # in place: no second (R, V) buffer
+        logp = torch.log_softmax(logits, dim=-1, out=logits).view(a * w, columns)  # in place: no second (R, V) buffer
         if k == 1:
             best, tok = logp.max(dim=-1, keepdim=True)  # (A, 1): argmax, the first of equals
+            if vocab is not None:
+                tok = vocab[tok]
             self.scores = self.scores + best
             self.length = (step + 1)[:, None]
             self.eos = self.finished = tok == eos_id
             self.history.scatter_(2, step.view(a, 1, 1), tok.view(a, 1, 1))
             return None, tok
         logp, tok = top_k(logp, k)  # (A*W, K)
+        if vocab is not None:
+            tok = vocab[tok]
         candidates = logp.view(a, w, k) + self.scores[:, :w, None]  # raw log P, (A, W, K)
         tok = tok.view(a, w, k)
         any_finished = bool(self.finished[:, :w].any())

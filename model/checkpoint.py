@@ -13,14 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from model import kernels
+from model import kernels, shortlist
 from model.config import ModelConfig
+from model.data import read_parallel, split_file
 from model.decoding import DecodingOptions
 from model.kernels import KernelPlan
+from model.shortlist import Shortlist
 from model.tokenizer import Tokenizer, TokenizerError, target_prefix
 from model.transformer import Transformer
 
@@ -224,6 +226,77 @@ def load(
             log.info("%s: released %.1f MiB of float weights that packed copies replace", precision, released / 2**20)
     log.info("loaded %s (%d parameters): %s", path, model.num_parameters(), plan.describe())
     return Checkpoint(model, tokenizer, meta, path, plan)
+
+
+def write_shortlist(
+    path: str | Path,
+    data_dir: str | Path | None = None,
+    per_source: int = shortlist.PER_SOURCE,
+    frequent: int = shortlist.FREQUENT,
+) -> Path:
+    """Build a one-direction checkpoint's shortlist (``shortlist.build``) from the training split
+    its config.json names (in ``data_dir``, default the folder named there, relative to the
+    working directory) and write it into the folder. -> the file written."""
+    path = Path(path)
+    meta = read_meta(path)
+    if meta.get("target_tags"):
+        raise CheckpointError(f"{path}: a many-to-many model has no shortlist (one per direction would be needed)")
+    data = meta.get("training", {}).get("config", {}).get("data", {})
+    folder = Path(data_dir or data.get("dir", ""))
+    source, target, split = meta["source_lang"], meta["target_lang"], data.get("train", "train")
+    files = split_file(folder, split, source), split_file(folder, split, target)
+    if not all(f.is_file() for f in files):
+        raise CheckpointError(f"{files[0]}, {files[1]}: training data not found (pass its folder)")
+    cfg, tokenizer = model_config(meta, path), Tokenizer.load(path / SPM)
+    pairs = read_parallel(*files)
+    table = shortlist.build(
+        zip(tokenizer.encode(pairs.src), tokenizer.encode(pairs.tgt), strict=True),
+        tokenizer.vocab_size,
+        specials=max(cfg.pad_id, cfg.unk_id, cfg.bos_id, cfg.eos_id) + 1,
+        per_source=per_source,
+        frequent=frequent,
+    )
+    out = path / shortlist.FILE
+    info = {"per_source": str(per_source), "frequent": str(frequent), "pairs": str(len(pairs)), "split": split}
+    store = torch.int16 if tokenizer.vocab_size <= torch.iinfo(torch.int16).max else torch.int32
+    tensors = {"offsets": table.offsets, "targets": table.targets.to(store), "always": table.always.to(store)}
+    save_file(tensors, str(out), metadata=info)
+    return out
+
+
+def load_metadata(file: Path) -> dict[str, str]:
+    """A safetensors file's metadata (its header's ``__metadata__``)."""
+    with safe_open(str(file), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def load_shortlist(path: str | Path, vocab_size: int) -> Shortlist | None:
+    """A checkpoint folder's shortlist, or None where it has none; raises ``CheckpointError``
+    for a file that does not match the vocabulary."""
+    file = Path(path) / shortlist.FILE
+    if not file.is_file():
+        return None
+    try:
+        tensors = load_file(str(file))
+        offsets, targets, always = tensors["offsets"].long(), tensors["targets"], tensors["always"].long()
+        per_source = int(load_metadata(file)["per_source"])
+    except (SafetensorError, KeyError, OSError, ValueError) as err:
+        raise CheckpointError(f"{file}: not a shortlist ({err})") from err
+    ok = offsets.dim() == targets.dim() == always.dim() == 1 and offsets.numel() == vocab_size + 1
+    ok = ok and not targets.is_floating_point() and int(offsets[0]) == 0 and int(offsets[-1]) == targets.numel()
+    ok = ok and bool((offsets[1:] >= offsets[:-1]).all())
+    if not ok or any(t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size) for t in (targets, always)):
+        raise CheckpointError(f"{file}: does not match a vocabulary of {vocab_size} pieces")
+    return Shortlist(offsets, targets, always, per_source)
+
+
+def shortlist_for(ckpt: Checkpoint, wanted: bool = True) -> Shortlist | None:
+    """The shortlist decoding uses: the folder's, where ``wanted`` and it pays. int8 decodes the
+    whole vocabulary: its output projection (int8 rows on fbgemm) costs less than the shortlist's
+    float rows (docs/benchmarks.md "The lexical shortlist": 804 against 706 sentences/s greedy)."""
+    if not wanted or ckpt.plan.precision == "int8":
+        return None
+    return load_shortlist(ckpt.path, ckpt.config.tgt_vocab_size)
 
 
 def release_output_projection(model: Transformer) -> int:

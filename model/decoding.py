@@ -18,6 +18,7 @@ import torch
 
 from model.beams import Beams, Hypothesis, cat_padded
 from model.cache import KVCache
+from model.shortlist import Shortlist, Vocabulary
 from model.step import DecoderStep, EncoderPass
 from model.transformer import Transformer
 
@@ -76,19 +77,23 @@ class Finished:
     steps: int
 
 
-def decode_stream(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Iterator[Finished]:
+def decode_stream(
+    model: Transformer, src: torch.Tensor, options: DecodingOptions, shortlist: Shortlist | None = None
+) -> Iterator[Finished]:
     """src: (B, S) padded ids, each row ending with EOS -> each sentence as soon as it is done
     (the batch goes on decoding the others), in the order they finish."""
-    session = DecodeSession(model, options)
+    session = DecodeSession(model, options, shortlist)
     if src.shape[0]:
         session.admit(src, range(src.shape[0]))
     while session.active:
         yield from session.step()
 
 
-def decode(model: Transformer, src: torch.Tensor, options: DecodingOptions) -> Decoded:
+def decode(
+    model: Transformer, src: torch.Tensor, options: DecodingOptions, shortlist: Shortlist | None = None
+) -> Decoded:
     """src: (B, S) padded ids, each row ending with EOS -> n_best hypotheses per sentence."""
-    return collect(decode_stream(model, src, options), src.shape[0])
+    return collect(decode_stream(model, src, options, shortlist), src.shape[0])
 
 
 def collect(stream: Iterator[Finished], batch_size: int) -> Decoded:
@@ -110,6 +115,9 @@ def _compacted(kept: list[int]) -> list[int]:
     for gap, row in zip(gaps, (i for i in kept if i >= n), strict=True):
         order[gap] = row
     return order
+
+
+_NO_CANDIDATES = torch.zeros(0, dtype=torch.long)  # a sentence's candidates without a shortlist
 
 
 class _SentenceRows:
@@ -137,6 +145,7 @@ class _SentenceRows:
         self.start = torch.zeros(0, dtype=torch.long, device=device)  # (A,) the same, on the device
         self.stop_host: list[int] = []  # the step each sentence is cut at (its length limit)
         self.source_lengths: list[int] = []  # source tokens (EOS included); host only
+        self.candidates: list[torch.Tensor] = []  # each sentence's shortlist candidates (empty without one)
         self.memory_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=device)  # (A, 1, 1, S)
         self.tokens = torch.zeros(0, 1, dtype=torch.long, device=device)  # (A, W) next step's input
         self.beams = Beams(k, pad_id, device)
@@ -164,10 +173,13 @@ class _SentenceRows:
         source_lengths: list[int],
         mask: torch.Tensor,
         bos_id: int,
+        candidates: list[torch.Tensor],
     ) -> None:
-        """Sentences join at ``step``: stop (B,) the step each is cut at, mask (B, 1, 1, S)."""
+        """Sentences join at ``step``: stop (B,) the step each is cut at, mask (B, 1, 1, S),
+        candidates: each one's shortlist candidates (empty without one)."""
         b, w = len(tags), self.width
         self.tags.extend(tags)
+        self.candidates.extend(candidates)
         self.start_host.extend([step] * b)
         self.start = torch.cat([self.start, self.start.new_full((b,), step)])
         stop_host = stop.tolist()
@@ -191,6 +203,7 @@ class _SentenceRows:
         self.start_host = [self.start_host[i] for i in kept]
         self.stop_host = [self.stop_host[i] for i in kept]
         self.source_lengths = [self.source_lengths[i] for i in kept]
+        self.candidates = [self.candidates[i] for i in kept]
         self.gather = keep if self.gather is None else self.gather.view(a, w)[keep].reshape(-1)
         self.memory_mask = self.memory_mask[keep, :, :, : self.source_width]
         self.start = self.start[keep]
@@ -211,10 +224,20 @@ class DecodeSession:
     (pending reorder, joined rows, forgotten positions), ``_mask_late_joiners``, ``_decode``
     (decoder step, beam advance, truncation), ``_harvest`` (the finished sentences) and
     ``_compact`` (the others close the gaps).
+
+    With a ``shortlist`` (``model.shortlist``) a step scores only the union of the active
+    sentences' candidates: the output matrix's rows for it are gathered when the batch's
+    sentences change, and the beams map the chosen columns back to token ids.
     """
 
-    def __init__(self, model: Transformer, options: DecodingOptions) -> None:
+    def __init__(self, model: Transformer, options: DecodingOptions, shortlist: Shortlist | None = None) -> None:
+        if shortlist is not None and shortlist.vocab_size != model.config.tgt_vocab_size:
+            vocab = model.config.tgt_vocab_size
+            raise ValueError(f"shortlist of {shortlist.vocab_size} pieces for a vocabulary of {vocab}")
+        if shortlist is not None and model.output_matrix().is_meta:
+            raise ValueError("a shortlist needs the output matrix's float rows (this model released them)")
         self.model, self.options, self.k = model, options, options.beam_size
+        self.shortlist = shortlist
         self._decoder: DecoderStep | None = None  # bound at the first step, inside inference mode
         self._encoder: EncoderPass | None = None  # bound at the first admission, inside inference mode
         self._reset()
@@ -225,6 +248,9 @@ class DecodeSession:
         self._cache: KVCache | None = None
         device = next(self.model.parameters()).device
         self._rows = _SentenceRows(self.k, self.model.config.pad_id, device)
+        self._vocab = None if self.shortlist is None else Vocabulary(self.shortlist, device)
+        self._output: torch.Tensor | None = None  # (C, D) the output matrix's rows of ``_vocab.ids``
+        self._output_version = -1  # the ``_vocab.version`` they were gathered at
 
     @property
     def active(self) -> int:
@@ -258,7 +284,13 @@ class DecodeSession:
         else:
             self._cache.extend_memory(model.project_memory(memory))
             rows.added += src.shape[0] * rows.width
-        rows.append(tags, self.steps, self.steps + limit, src_lengths.tolist(), mask, cfg.bos_id)
+        if self._vocab is None:
+            candidates = [_NO_CANDIDATES] * src.shape[0]
+        else:
+            candidates = [self._vocab.shortlist.candidates(row) for row in src]
+            for c in candidates:
+                self._vocab.add(c)
+        rows.append(tags, self.steps, self.steps + limit, src_lengths.tolist(), mask, cfg.bos_id, candidates)
         assert self._cache.source_length >= rows.source_width
 
     @torch.inference_mode()
@@ -322,9 +354,12 @@ class DecodeSession:
         a, w = len(rows), rows.width
         if self._decoder is None:
             self._decoder = DecoderStep(self.model)
-        logits = self._decoder(rows.tokens.reshape(-1), cache, rows.memory_mask, positions, self_mask).float()
+        vocab, output = self._output_rows(self._decoder.dtype)
+        step_in = (rows.tokens.reshape(-1), cache, rows.memory_mask, positions, self_mask)
+        logits = self._decoder(*step_in, output=output).float()
         beams = rows.beams
-        back, tokens = beams.advance(logits.view(a, w, -1), self.steps - rows.start, alpha, self.model.config.eos_id)
+        eos = self.model.config.eos_id
+        back, tokens = beams.advance(logits.view(a, w, -1), self.steps - rows.start, alpha, eos, vocab)
         self.steps += 1
         truncated = [i for i, stop in enumerate(rows.stop_host) if stop <= self.steps]  # at the limit
         if truncated:
@@ -332,6 +367,17 @@ class DecodeSession:
         rows.tokens = tokens  # (A, K): every sentence has K rows from now on
         if back is not None:  # greedy rows stay in place
             rows.gather = back
+
+    def _output_rows(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """-> the shortlist's union (C,) and the output matrix's rows for it (C, D), gathered
+        again only after sentences joined or left; None, None without a shortlist."""
+        if self._vocab is None:
+            return None, None
+        ids = self._vocab.ids
+        if self._output is None or self._output_version != self._vocab.version:
+            self._output = self.model.output_matrix()[ids].to(dtype)
+            self._output_version = self._vocab.version
+        return ids, self._output
 
     def _harvest(self) -> tuple[list[int], list[Finished]]:
         """-> the sentences whose beams are all finished (their places in the batch) and them."""
@@ -356,6 +402,9 @@ class DecodeSession:
             self._reset()
             return
         gone = set(finished)
+        if self._vocab is not None:
+            for i in finished:
+                self._vocab.remove(rows.candidates[i])
         kept = _compacted([i for i in range(a) if i not in gone])
         keep = torch.tensor(kept, device=rows.start.device)
         columns = rows.memory_mask.shape[3]

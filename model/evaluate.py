@@ -132,6 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=kernels.PRECISIONS, help="inference precision")
     parser.add_argument("--limit", type=int, help="only the first N sentences")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument(
+        "--shortlist",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="score only the checkpoint's lexical shortlist where it ships one (float precisions), as the service does",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
@@ -160,18 +166,20 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     if then is not None:  # the first leg; the second is scored (and timed from here) below
         first = checkpoint.decoding_options(ckpt.meta, args.beam_size, direction="-".join(pair))
-        leg = Translator(ckpt.model, ckpt.tokenizer, prefix)
+        leg = Translator(ckpt.model, ckpt.tokenizer, prefix, checkpoint.shortlist_for(ckpt, args.shortlist))
         src, ckpt, prefix = translate_all(leg, src, first, args.batch_size), then, ()
         pair = checkpoint.directions(then.meta)[0]
+    short = checkpoint.shortlist_for(ckpt, args.shortlist)
     result = evaluate(
-        Translator(ckpt.model, ckpt.tokenizer, prefix),
+        Translator(ckpt.model, ckpt.tokenizer, prefix, short),
         src,
         ref,
         checkpoint.decoding_options(ckpt.meta, args.beam_size, direction="-".join(pair)),
         args.batch_size,
     )
     result["seconds"] = round(time.perf_counter() - start, 3)
-    print(json.dumps({**result, "dtype": args.dtype, "kernel": ckpt.plan.kernel}))
+    vocabulary = "full" if short is None else "shortlist"
+    print(json.dumps({**result, "dtype": args.dtype, "kernel": ckpt.plan.kernel, "vocabulary": vocabulary}))
 
 
 def args_of(pairs: Sequence[tuple[str, str]]) -> list[str]:

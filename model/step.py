@@ -135,6 +135,7 @@ class DecoderStep:
         positions = embed.learned.weight if embed.learned is not None else embed.table
         assert positions is not None
         self.positions: torch.Tensor = positions
+        self.dtype = positions.dtype  # what the step computes in
         self.max_positions = embed.max_positions
         self._memory: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (mask, its bias)
 
@@ -152,9 +153,11 @@ class DecoderStep:
         memory_mask: torch.Tensor,
         positions: torch.Tensor | None = None,
         self_mask: torch.Tensor | None = None,
+        output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One incremental step. tokens: (R,) the last emitted ids, R = B * W (W hypotheses
-        per sentence); memory_mask (B, 1, 1, S) -> logits (R, V).
+        per sentence); memory_mask (B, 1, 1, S) -> logits (R, V), or (R, C) over the rows
+        ``output`` (C, D) of the output matrix when given (a shortlist's, ``model.shortlist``).
 
         By default every row is at position ``cache.length`` and sees every cached key. Rows
         that joined a running batch later pass their own ``positions`` (R,) and a ``self_mask``
@@ -198,7 +201,7 @@ class DecoderStep:
             x = _residual(x, layer.fc2(layer.fc1(hx, True), False), layer.ff_norm, self.norm_first)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return self.output(x, False)
+        return self.output(x, False) if output is None else F.linear(x, output)
 
 
 @dataclass(frozen=True)

@@ -362,6 +362,7 @@ def train(
             for s, t in trainer.pairs
         }
     else:
+        checkpoint.write_shortlist(final, trainer.data_dir)  # model.shortlist's defaults
         splits = [d.valid, d.test]
         metrics = measure_checkpoint(final, trainer.data_dir, d.source, d.target, splits, device, d.eval_limit)
     (final / checkpoint.METRICS).write_text(json.dumps(metrics, indent=2) + "\n")

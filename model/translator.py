@@ -9,6 +9,7 @@ import torch
 
 from model.data import pad, token_batches
 from model.decoding import Decoded, DecodeSession, DecodingOptions, Finished, Hypothesis, collect, decode_stream
+from model.shortlist import Shortlist
 from model.tokenizer import Tokenizer
 from model.transformer import AttentionMaps, Transformer
 
@@ -66,8 +67,14 @@ class IdsSession:
     and moves them to the model's device. The service's scheduler drives one per set of
     decoding options."""
 
-    def __init__(self, model: Transformer, options: DecodingOptions, prefix: Sequence[int] = ()) -> None:
-        self.session = DecodeSession(model, options)
+    def __init__(
+        self,
+        model: Transformer,
+        options: DecodingOptions,
+        prefix: Sequence[int] = (),
+        shortlist: Shortlist | None = None,
+    ) -> None:
+        self.session = DecodeSession(model, options, shortlist)
         self.model = model
         self.prefix = tuple(prefix)
 
@@ -95,13 +102,21 @@ class IdsSession:
 class Translator:
     """A model and its tokenizer, on one device. ``prefix``: ids that lead every source (a
     many-to-many model's target tag, ``target_prefix``); sources, limits and attention maps are
-    the text's own, without it."""
+    the text's own, without it. ``shortlist``: decoding scores only its candidates
+    (``model.shortlist``); None: the whole vocabulary."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, prefix: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        prefix: Sequence[int] = (),
+        shortlist: Shortlist | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = model.config
         self.prefix = tuple(prefix)
+        self.shortlist = shortlist
 
     @property
     def device(self) -> torch.device:
@@ -126,11 +141,11 @@ class Translator:
 
     def decode_stream(self, batch: Sequence[Sequence[int]], options: DecodingOptions) -> Iterator[Finished]:
         """Decode one batch; each sentence (its index in ``batch``) as soon as it is done."""
-        return decode_stream(self.model, source_batch(self.model, batch, self.prefix), options)
+        return decode_stream(self.model, source_batch(self.model, batch, self.prefix), options, self.shortlist)
 
     def open_session(self, options: DecodingOptions) -> IdsSession:
         """A running batch that sentences can join between steps (continuous batching)."""
-        return IdsSession(self.model, options, self.prefix)
+        return IdsSession(self.model, options, self.prefix, self.shortlist)
 
     def to_translation(self, src_ids: Sequence[int], hyps: Sequence[Hypothesis]) -> Translation:
         texts = self.tokenizer.decode([h.ids for h in hyps])

@@ -216,7 +216,8 @@ def test_metrics_parse_and_have_the_documented_families(client: TestClient) -> N
     ]
     assert not [name for name in documented if name not in families]
     info = families["translator_model_info"].samples[0]
-    assert info.labels == {"direction": "de-en", "device": "cpu", "dtype": "float32"} and info.value == 1
+    labels = {"direction": "de-en", "device": "cpu", "dtype": "float32", "vocabulary": "full"}  # no shortlist shipped
+    assert info.labels == labels and info.value == 1
     statuses = {
         s.labels["status"] for s in families["translator_requests"].samples if s.labels["endpoint"] == "/translate"
     }

@@ -241,7 +241,7 @@ def test_a_many_to_many_model_serves_its_directions_from_one_loaded_model(tmp_pa
             assert d["recommended_decoding"]["length_penalty"] == alpha(f"{d['source']}-{d['target']}")
         metrics = client.get("/metrics").text
         assert 'translator_decode_steps_total{direction="many-to-many"}' in metrics  # one model thread
-        assert 'translator_model_info{device="cpu",direction="de-fr",dtype="float32"} 1.0' in metrics
+        assert 'translator_model_info{device="cpu",direction="de-fr",dtype="float32",vocabulary="full"} 1.0' in metrics
         attention = client.post("/attention", json={"q": texts[0], "source": "de", "target": "fr"}).json()
         assert attention["source_tokens"][0] == "▁Ein"  # the tag is not shown as the text's
 

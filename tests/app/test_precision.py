@@ -34,12 +34,18 @@ def test_int8_is_served_and_reported(shipped: Path) -> None:
         infos = httpx.get(f"{url}/info").json()["directions"]
         assert {(i["dtype"], i["kernel"], i["step_kernel"]) for i in infos} == {("int8", "fbgemm-int8", "fbgemm-int8")}
         plan = assign_directions(discover(shipped.parent))  # the many-to-many model serves eight of them
-        shipped_directions = sorted(f"{s}-{t}" for pairs in plan.values() for s, t in pairs or [])
-        assert len(shipped_directions) == 12
+        # int8 scores the whole vocabulary, shortlist shipped or not (its own output projection is faster)
+        vocabulary = {f"{s}-{t}": "full" for pairs in plan.values() for s, t in pairs or []}
+        shipped_directions = sorted(vocabulary)
+        assert len(shipped_directions) == 12 and (shipped / "shortlist.safetensors").is_file()
         assert sorted(f"{i['source']}-{i['target']}" for i in infos) == shipped_directions
+        assert {f"{i['source']}-{i['target']}": i["vocabulary"] for i in infos} == vocabulary
         families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
         labels = sorted((s.labels for s in families["translator_model_info"].samples), key=lambda x: x["direction"])
-        assert labels == [{"direction": d, "device": "cpu", "dtype": "int8"} for d in shipped_directions]
+        expected = [
+            {"direction": d, "device": "cpu", "dtype": "int8", "vocabulary": vocabulary[d]} for d in shipped_directions
+        ]
+        assert labels == expected
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,8 @@ def test_training_lowers_loss_and_writes_a_checkpoint(tmp_path: Path, data_dir: 
     metrics = json.loads((final / "metrics.json").read_text())
     assert set(metrics) == {"val", "test_2016_flickr"}
     assert metrics["val"]["greedy"]["sentences"] == 40
+    table = checkpoint.load_shortlist(final, loaded.config.tgt_vocab_size)  # built from the training split
+    assert table is not None and table.per_source == min(200, loaded.config.tgt_vocab_size)
 
 
 def test_a_time_budget_stops_before_an_epoch_that_would_overrun_it(tmp_path: Path, data_dir: Path) -> None:

@@ -1,0 +1,162 @@
+"""The lexical shortlist (model/shortlist.py): how it is built, how a session keeps the union of
+its sentences' candidates, and that decoding through it maps columns back to the right tokens."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import checkpoint, kernels
+from model.data import pad, read_lines
+from model.decoding import DecodeSession, DecodingOptions, decode
+from model.shortlist import Shortlist, Vocabulary, build
+from model.translator import Translator
+from tests.factories import V, make_model
+
+
+def sources(n: int, seed: int, max_len: int = 12) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, V) for _ in range(rng.randint(2, max_len))] + [3] for _ in range(n)]
+
+
+def test_build_keeps_each_source_pieces_associated_targets_and_the_frequent_ones() -> None:
+    # source 10 always comes with target 20, 11 with 21 (and half the time 22); 30 is everywhere
+    pairs = [([10, 4], [20, 30]), ([10], [20, 30]), ([11, 4], [21, 30]), ([11], [21, 22, 30]), ([5], [30])] * 3
+    table = build(pairs, vocab_size=40, per_source=2, frequent=1)
+    assert table.vocab_size == 40 and table.per_source == 2
+    assert table.row(10).tolist() == [20, 30]  # Dice 1.0, then 12 / 21
+    assert table.row(11).tolist() == [21, 22]  # Dice 1.0, then 6 / 9 (above 30's 12 / 21)
+    assert table.row(5).tolist() == [30]  # one association only
+    assert table.row(4).tolist()[0] == 30 and table.row(4).numel() == 2  # 12 / 21, then 20 or 21 (6 / 12 each)
+    assert table.row(6).tolist() == []  # never seen
+    assert table.always.tolist() == [0, 1, 2, 3, 30]  # specials and the most frequent target
+    assert table.targets.numel() == 7  # only what rows hold: 2 + 2 + 1 + 2
+
+
+def test_candidates_are_the_pieces_and_their_associations() -> None:
+    rows = torch.tensor([[0, 0], [0, 0], [0, 0], [0, 0], [7, 8], [9, 0], [0, 0], [0, 0], [0, 0], [0, 0]])
+    table = Shortlist.from_table(rows, torch.tensor([0, 1, 2, 3]))
+    assert table.offsets.tolist() == [0, 0, 0, 0, 0, 2, 3, 3, 3, 3, 3] and table.targets.tolist() == [7, 8, 9]
+    assert table.candidates(torch.tensor([4, 5, 3, 0, 4])).tolist() == [0, 3, 4, 5, 7, 8, 9]
+
+
+def test_the_union_grows_when_sentences_join_and_shrinks_only_by_a_margin() -> None:
+    table = Shortlist.from_table(torch.zeros(100, 1, dtype=torch.long), torch.tensor([0, 1, 2, 3]))
+    vocab = Vocabulary(table, torch.device("cpu"))
+    assert vocab.ids.tolist() == [0, 1, 2, 3]
+    big, small = torch.arange(10, 30), torch.tensor([40])
+    vocab.add(big)
+    vocab.add(small)
+    assert vocab.ids.tolist() == [0, 1, 2, 3, *range(10, 30), 40]
+    version = vocab.version
+    vocab.add(torch.tensor([12, 40]))  # nothing new: the same rows
+    assert vocab.ids.numel() == 25 and vocab.version == version
+    vocab.remove(small)  # 24 of 25 left: within the slack, the rows stay
+    assert 40 in vocab.ids.tolist() and vocab.version == version
+    vocab.remove(big)  # the union is 0-3, 12 and 40 (each added twice, removed once): 25 > 1.25 x 6 rows
+    assert vocab.ids.tolist() == [0, 1, 2, 3, 12, 40] and vocab.version == version + 1
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_a_shortlist_of_every_piece_decodes_exactly_as_the_whole_vocabulary(beam_size: int) -> None:
+    """The shortlist's path (the output matrix's rows gathered, the beams given the columns'
+    ids) with every piece a candidate gives the whole vocabulary's hypotheses and scores."""
+    model = make_model(seed=3)
+    everything = Shortlist.from_table(torch.arange(V)[None, :].expand(V, V), torch.tensor([0, 1, 2, 3]))
+    rows = sources(6, seed=1)
+    opts = DecodingOptions(beam_size=beam_size, n_best=beam_size)
+    full = decode(model, pad(rows, 0), opts).hypotheses
+    short = decode(model, pad(rows, 0), opts, everything).hypotheses
+    for f, s in zip(full, short, strict=True):
+        assert [h.ids for h in f] == [h.ids for h in s]
+        assert [h.score for h in f] == pytest.approx([h.score for h in s], abs=1e-5)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_decoding_chooses_only_candidates_of_the_sentences_in_the_batch(beam_size: int) -> None:
+    """A narrow shortlist: each source piece allows three targets. A sentence decoded alone
+    emits only its own candidates (and ``always``); sentences that join and leave a running
+    session emit only candidates of sentences active beside them, and the rows follow them."""
+    model = make_model(seed=4)
+    gen = torch.Generator().manual_seed(0)
+    table = Shortlist.from_table(torch.randint(4, V, (V, 3), generator=gen), torch.tensor([0, 1, 2, 3]))
+    opts = DecodingOptions(beam_size=beam_size, n_best=beam_size)
+    rows = sources(8, seed=2)
+    allowed = [set(table.candidates(torch.tensor(r)).tolist()) | {0, 1, 2, 3} for r in rows]
+    for row, own in zip(rows, allowed, strict=True):
+        for hyp in decode(model, pad([row], 0), opts, table).hypotheses[0]:
+            assert set(hyp.ids) <= own
+    session = DecodeSession(model, opts, table)
+    session.admit(pad(rows[:4], 0), range(4))
+    done: dict[int, list[int]] = {}
+    active = set(range(4))
+    step = 0
+    while session.active:
+        if step == 2:
+            session.admit(pad(rows[4:], 0), range(4, 8))
+            active |= set(range(4, 8))
+        union = set().union(*(allowed[i] for i in active))
+        for finished in session.step():
+            for hyp in finished.hypotheses:
+                assert set(hyp.ids) <= union
+            done[finished.tag] = finished.hypotheses[0].ids
+            active.discard(finished.tag)
+        step += 1
+    assert sorted(done) == list(range(8))
+
+
+def test_the_shipped_shortlists_load_and_keep_the_translations(shipped: Path, data_dir: Path) -> None:
+    """Each shipped one-direction checkpoint has a shortlist that matches its vocabulary; on
+    de-en validation sentences decoded one at a time (the narrowest union) it gives the
+    whole vocabulary's translation for nearly all of them."""
+    for folder in sorted(shipped.parent.iterdir()):
+        meta = json.loads((folder / "config.json").read_text())
+        table = checkpoint.load_shortlist(folder, meta["model"]["tgt_vocab_size"])
+        assert (table is None) == bool(meta.get("target_tags")), folder  # every direction model has one
+    ckpt = checkpoint.load(shipped)
+    table = checkpoint.load_shortlist(shipped, ckpt.config.tgt_vocab_size)
+    assert table is not None and table.per_source == 200
+    texts = read_lines(data_dir / "val.de.gz")[:60]
+    opts = checkpoint.decoding_options(ckpt.meta, 1)
+    full, short = Translator(ckpt.model, ckpt.tokenizer), Translator(ckpt.model, ckpt.tokenizer, shortlist=table)
+    same = 0
+    for ids in full.encode(texts):
+        same += full.decode_ids([ids], opts)[0][0].ids == short.decode_ids([ids], opts)[0][0].ids
+    assert same >= 0.9 * len(texts)
+
+
+def test_write_shortlist_from_training_data_and_refuse_what_does_not_fit(
+    tiny_weights_dir: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "de-en"
+    folder.mkdir()
+    for f in (tiny_weights_dir / "de-en").iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    train = tmp_path / "data"
+    train.mkdir()
+    for lang in ("de", "en"):
+        (train / f"train.{lang}").write_text("\n".join(read_lines(data_dir / f"train.{lang}.gz")[:500]) + "\n")
+    written = checkpoint.write_shortlist(folder, train, per_source=20, frequent=50)
+    vocab = json.loads((folder / "config.json").read_text())["model"]["tgt_vocab_size"]
+    table = checkpoint.load_shortlist(folder, vocab)
+    assert written.name == "shortlist.safetensors" and table is not None
+    assert table.vocab_size == vocab and table.per_source == 20 and table.always.numel() == 54
+    assert max(table.row(s).numel() for s in range(vocab)) == 20
+    with pytest.raises(checkpoint.CheckpointError, match="vocabulary of 999"):
+        checkpoint.load_shortlist(folder, 999)
+    with pytest.raises(checkpoint.CheckpointError, match="training data not found"):
+        checkpoint.write_shortlist(folder, tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="vocabulary"):
+        DecodeSession(make_model(), DecodingOptions(), table)
+
+
+def test_float_precisions_use_the_shortlist_and_int8_the_whole_vocabulary(shipped: Path) -> None:
+    assert checkpoint.shortlist_for(checkpoint.load(shipped)) is not None
+    assert checkpoint.shortlist_for(checkpoint.load(shipped), wanted=False) is None
+    if not kernels.detected().avx2:
+        pytest.skip("int8 needs AVX2")
+    assert checkpoint.shortlist_for(checkpoint.load(shipped, precision="int8")) is None
