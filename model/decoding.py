@@ -11,6 +11,7 @@ joined are masked out of its rows. ``decode_stream`` is a session given one batc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -227,7 +228,8 @@ class DecodeSession:
 
     With a ``shortlist`` (``model.shortlist``) a step scores only the union of the active
     sentences' candidates: the output matrix's rows for it are gathered when the batch's
-    sentences change, and the beams map the chosen columns back to token ids.
+    sentences change, each sentence's rows are kept to its own candidates, and the beams map
+    the chosen columns back to token ids.
     """
 
     def __init__(self, model: Transformer, options: DecodingOptions, shortlist: Shortlist | None = None) -> None:
@@ -251,6 +253,8 @@ class DecodeSession:
         self._vocab = None if self.shortlist is None else Vocabulary(self.shortlist, device)
         self._output: torch.Tensor | None = None  # (C, D) the output matrix's rows of ``_vocab.ids``
         self._output_version = -1  # the ``_vocab.version`` they were gathered at
+        self._own: torch.Tensor | None = None  # (A, 1, C) see ``_own_candidates``; follows leaving sentences
+        self._own_version = -1  # the ``_vocab.version`` it was made at (-1: sentences joined since)
 
     @property
     def active(self) -> int:
@@ -287,10 +291,10 @@ class DecodeSession:
         if self._vocab is None:
             candidates = [_NO_CANDIDATES] * src.shape[0]
         else:
-            candidates = [self._vocab.shortlist.candidates(row) for row in src]
-            for c in candidates:
-                self._vocab.add(c)
+            candidates = self._vocab.shortlist.candidates_of(src, mask[:, 0, 0])  # padding is no piece
+            self._vocab.add(candidates)
         rows.append(tags, self.steps, self.steps + limit, src_lengths.tolist(), mask, cfg.bos_id, candidates)
+        self._own_version = -1
         assert self._cache.source_length >= rows.source_width
 
     @torch.inference_mode()
@@ -354,9 +358,11 @@ class DecodeSession:
         a, w = len(rows), rows.width
         if self._decoder is None:
             self._decoder = DecoderStep(self.model)
-        vocab, output = self._output_rows(self._decoder.dtype)
+        vocab, output, own = self._output_rows(self._decoder.dtype)
         step_in = (rows.tokens.reshape(-1), cache, rows.memory_mask, positions, self_mask)
         logits = self._decoder(*step_in, output=output).float()
+        if own is not None:  # each sentence's own candidates only
+            logits.view(a, w, -1).add_(own)
         beams = rows.beams
         eos = self.model.config.eos_id
         back, tokens = beams.advance(logits.view(a, w, -1), self.steps - rows.start, alpha, eos, vocab)
@@ -368,16 +374,39 @@ class DecodeSession:
         if back is not None:  # greedy rows stay in place
             rows.gather = back
 
-    def _output_rows(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """-> the shortlist's union (C,) and the output matrix's rows for it (C, D), gathered
-        again only after sentences joined or left; None, None without a shortlist."""
+    def _output_rows(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """-> the shortlist's union (C,), the output matrix's rows for it (C, D), gathered
+        again only after sentences joined with new candidates or left (``Vocabulary``), and the
+        bias (A, 1, C) that keeps each sentence to its own candidates (``_own_candidates``);
+        None, None, None without a shortlist."""
         if self._vocab is None:
-            return None, None
+            return None, None, None
         ids = self._vocab.ids
         if self._output is None or self._output_version != self._vocab.version:
             self._output = self.model.output_matrix()[ids].to(dtype)
             self._output_version = self._vocab.version
-        return ids, self._output
+        if self._own_version != self._vocab.version:  # sentences joined, or the union was made again
+            self._own = self._own_candidates(ids)
+            self._own_version = self._vocab.version
+        return ids, self._output, self._own
+
+    def _own_candidates(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """ids (C,) the union -> (A, 1, C) float32: 0 where a column is a candidate of the
+        row's sentence, -inf elsewhere; None where every column is every sentence's. So a
+        sentence is translated from its own candidates, whatever sentences are decoded beside
+        it (the same translation alone or in any batch)."""
+        assert self._vocab is not None
+        candidates = self._rows.candidates
+        column = torch.empty(self._vocab.shortlist.vocab_size, dtype=torch.long, device=ids.device)
+        column[ids] = torch.arange(ids.numel(), device=ids.device)  # a piece's column (pieces in ids)
+        allowed = torch.zeros(len(candidates), ids.numel(), dtype=torch.bool, device=ids.device)
+        allowed[:, column[self._vocab.shortlist.always]] = True
+        lengths = torch.tensor([c.numel() for c in candidates], device=ids.device)
+        sentence = torch.repeat_interleave(torch.arange(len(candidates), device=ids.device), lengths)
+        allowed[sentence, column[torch.cat(candidates)]] = True
+        if bool(allowed.all()):
+            return None
+        return torch.zeros(allowed.shape, device=ids.device).masked_fill_(~allowed, -math.inf)[:, None, :]
 
     def _harvest(self) -> tuple[list[int], list[Finished]]:
         """-> the sentences whose beams are all finished (their places in the batch) and them."""
@@ -403,11 +432,12 @@ class DecodeSession:
             return
         gone = set(finished)
         if self._vocab is not None:
-            for i in finished:
-                self._vocab.remove(rows.candidates[i])
+            self._vocab.remove([rows.candidates[i] for i in finished])
         kept = _compacted([i for i in range(a) if i not in gone])
         keep = torch.tensor(kept, device=rows.start.device)
         columns = rows.memory_mask.shape[3]
         rows.select(kept, keep)
+        if self._own is not None:  # the same columns until the union is made again
+            self._own = self._own[keep]
         width = rows.source_width
         cache.select_memory(kept, width if width < columns else None)

@@ -67,12 +67,29 @@ class Shortlist:
         return self.targets[int(self.offsets[piece]) : int(self.offsets[piece + 1])]
 
     def candidates(self, source: torch.Tensor) -> torch.Tensor:
-        """source (S,) piece ids (padding, prefixes and specials allowed) -> the sentence's own
-        candidates (C,) sorted unique, beyond ``always``: its pieces and their associations."""
-        source = source.to(self.targets.device, torch.long)
-        start, stop = self.offsets[source].tolist(), self.offsets[source + 1].tolist()
-        rows = [self.targets[a:b] for a, b in set(zip(start, stop, strict=True)) if b > a]
-        return torch.cat([source, *(r.long() for r in rows)]).unique()
+        """source (S,) piece ids -> the sentence's own candidates (C,) sorted unique, beyond
+        ``always``: its pieces and their associations."""
+        return self.candidates_of(source[None], torch.ones(1, source.numel(), dtype=torch.bool))[0]
+
+    def candidates_of(self, sources: torch.Tensor, real: torch.Tensor) -> list[torch.Tensor]:
+        """sources (B, S) piece ids, real (B, S) True where a piece is the sentence's (not
+        padding) -> each sentence's ``candidates``, computed for the batch at once (a handful of
+        tensor operations, not a loop over pieces)."""
+        device, v = self.targets.device, self.vocab_size
+        sources, real = sources.to(device), real.to(device)
+        b, s = sources.shape
+        sentence = torch.arange(b, device=device)[:, None].expand(b, s)[real]  # (N,) of each real piece
+        pieces = sources[real]  # (N,)
+        start = self.offsets[pieces]
+        lengths = self.offsets[pieces + 1] - start
+        ends = lengths.cumsum(0)
+        within = torch.arange(int(ends[-1]) if ends.numel() else 0, device=device)
+        within -= torch.repeat_interleave(ends - lengths, lengths)
+        targets = self.targets[torch.repeat_interleave(start, lengths) + within].long()
+        owner = torch.repeat_interleave(sentence, lengths)
+        keys = torch.cat([sentence * v + pieces, owner * v + targets]).unique()  # sorted: by sentence, then id
+        per = torch.bincount(keys // v, minlength=b).tolist()
+        return list((keys % v).split(per))
 
     def to(self, device: torch.device) -> Shortlist:
         return Shortlist(self.offsets.to(device), self.targets.to(device), self.always.to(device), self.per_source)
@@ -126,11 +143,15 @@ class Vocabulary:
         self._stale = True
         self.version = 0
 
-    def add(self, candidates: torch.Tensor) -> None:
+    def add(self, sentences: list[torch.Tensor]) -> None:
+        """Sentences join: each one's candidates (unique ids)."""
+        candidates = torch.cat(sentences)
         self.counts.index_add_(0, candidates, torch.ones_like(candidates, dtype=torch.int32))
         self._stale = self._stale or not bool(self._covered[candidates].all())
 
-    def remove(self, candidates: torch.Tensor) -> None:
+    def remove(self, sentences: list[torch.Tensor]) -> None:
+        """Sentences leave: each one's candidates, as they were added."""
+        candidates = torch.cat(sentences)
         self.counts.index_add_(0, candidates, torch.full_like(candidates, -1, dtype=torch.int32))
         if not self._stale and self._ids is not None:
             self._stale = self._ids.numel() > self.SLACK * int(self.counts.count_nonzero())

@@ -42,6 +42,11 @@ def test_candidates_are_the_pieces_and_their_associations() -> None:
     table = Shortlist.from_table(rows, torch.tensor([0, 1, 2, 3]))
     assert table.offsets.tolist() == [0, 0, 0, 0, 0, 2, 3, 3, 3, 3, 3] and table.targets.tolist() == [7, 8, 9]
     assert table.candidates(torch.tensor([4, 5, 3, 0, 4])).tolist() == [0, 3, 4, 5, 7, 8, 9]
+    batch = torch.tensor([[4, 5, 3, 0], [9, 3, 0, 0], [6, 4, 3, 0]])  # padded with 0, whose row holds 7
+    real = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    rows = Shortlist.from_table(torch.tensor([[7, 0]] + [[0, 0]] * 3 + [[7, 8], [9, 0]] + [[0, 0]] * 4), table.always)
+    each = [c.tolist() for c in rows.candidates_of(batch, real)]
+    assert each == [[3, 4, 5, 7, 8, 9], [3, 9], [3, 4, 6, 7, 8]]  # padding adds no candidates
 
 
 def test_the_union_grows_when_sentences_join_and_shrinks_only_by_a_margin() -> None:
@@ -49,15 +54,14 @@ def test_the_union_grows_when_sentences_join_and_shrinks_only_by_a_margin() -> N
     vocab = Vocabulary(table, torch.device("cpu"))
     assert vocab.ids.tolist() == [0, 1, 2, 3]
     big, small = torch.arange(10, 30), torch.tensor([40])
-    vocab.add(big)
-    vocab.add(small)
+    vocab.add([big, small])
     assert vocab.ids.tolist() == [0, 1, 2, 3, *range(10, 30), 40]
     version = vocab.version
-    vocab.add(torch.tensor([12, 40]))  # nothing new: the same rows
+    vocab.add([torch.tensor([12, 40])])  # nothing new: the same rows
     assert vocab.ids.numel() == 25 and vocab.version == version
-    vocab.remove(small)  # 24 of 25 left: within the slack, the rows stay
+    vocab.remove([small])  # 24 of 25 left: within the slack, the rows stay
     assert 40 in vocab.ids.tolist() and vocab.version == version
-    vocab.remove(big)  # the union is 0-3, 12 and 40 (each added twice, removed once): 25 > 1.25 x 6 rows
+    vocab.remove([big])  # the union is 0-3, 12 and 40 (each added twice, removed once): 25 > 1.25 x 6 rows
     assert vocab.ids.tolist() == [0, 1, 2, 3, 12, 40] and vocab.version == version + 1
 
 
@@ -77,36 +81,34 @@ def test_a_shortlist_of_every_piece_decodes_exactly_as_the_whole_vocabulary(beam
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])
-def test_decoding_chooses_only_candidates_of_the_sentences_in_the_batch(beam_size: int) -> None:
-    """A narrow shortlist: each source piece allows three targets. A sentence decoded alone
-    emits only its own candidates (and ``always``); sentences that join and leave a running
-    session emit only candidates of sentences active beside them, and the rows follow them."""
+def test_each_sentence_is_translated_from_its_own_candidates_alone_or_in_any_batch(beam_size: int) -> None:
+    """A narrow shortlist: each source piece allows three targets. A sentence emits only its
+    own candidates (and ``always``), and gets the same hypotheses alone, in a batch, and when
+    it joins a running session beside others (whose candidates the step also scores)."""
     model = make_model(seed=4)
     gen = torch.Generator().manual_seed(0)
     table = Shortlist.from_table(torch.randint(4, V, (V, 3), generator=gen), torch.tensor([0, 1, 2, 3]))
     opts = DecodingOptions(beam_size=beam_size, n_best=beam_size)
     rows = sources(8, seed=2)
     allowed = [set(table.candidates(torch.tensor(r)).tolist()) | {0, 1, 2, 3} for r in rows]
-    for row, own in zip(rows, allowed, strict=True):
-        for hyp in decode(model, pad([row], 0), opts, table).hypotheses[0]:
-            assert set(hyp.ids) <= own
+    alone = [decode(model, pad([row], 0), opts, table).hypotheses[0] for row in rows]
+    for hyps, own in zip(alone, allowed, strict=True):
+        assert all(set(h.ids) <= own for h in hyps)
+    together = decode(model, pad(rows, 0), opts, table).hypotheses
     session = DecodeSession(model, opts, table)
     session.admit(pad(rows[:4], 0), range(4))
-    done: dict[int, list[int]] = {}
-    active = set(range(4))
+    joined: dict[int, list] = {}
     step = 0
     while session.active:
         if step == 2:
             session.admit(pad(rows[4:], 0), range(4, 8))
-            active |= set(range(4, 8))
-        union = set().union(*(allowed[i] for i in active))
         for finished in session.step():
-            for hyp in finished.hypotheses:
-                assert set(hyp.ids) <= union
-            done[finished.tag] = finished.hypotheses[0].ids
-            active.discard(finished.tag)
+            joined[finished.tag] = finished.hypotheses
         step += 1
-    assert sorted(done) == list(range(8))
+    for i, expected in enumerate(alone):
+        assert [h.ids for h in together[i]] == [h.ids for h in expected], i
+        assert [h.ids for h in joined[i]] == [h.ids for h in expected], i
+        assert [h.score for h in joined[i]] == pytest.approx([h.score for h in expected], abs=1e-4)
 
 
 def test_the_shipped_shortlists_load_and_keep_the_translations(shipped: Path, data_dir: Path) -> None:
