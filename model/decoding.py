@@ -11,7 +11,6 @@ joined are masked out of its rows. ``decode_stream`` is a session given one batc
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -118,9 +117,6 @@ def _compacted(kept: list[int]) -> list[int]:
     return order
 
 
-_NO_CANDIDATES = torch.zeros(0, dtype=torch.long)  # a sentence's candidates without a shortlist
-
-
 class _SentenceRows:
     """Everything a session keeps per active sentence, in batch order: sentence i is entry i of
     every per-sentence field and rows i*W .. i*W + W - 1 of the per-hypothesis ones (W =
@@ -146,7 +142,6 @@ class _SentenceRows:
         self.start = torch.zeros(0, dtype=torch.long, device=device)  # (A,) the same, on the device
         self.stop_host: list[int] = []  # the step each sentence is cut at (its length limit)
         self.source_lengths: list[int] = []  # source tokens (EOS included); host only
-        self.candidates: list[torch.Tensor] = []  # each sentence's shortlist candidates (empty without one)
         self.memory_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=device)  # (A, 1, 1, S)
         self.tokens = torch.zeros(0, 1, dtype=torch.long, device=device)  # (A, W) next step's input
         self.beams = Beams(k, pad_id, device)
@@ -174,13 +169,10 @@ class _SentenceRows:
         source_lengths: list[int],
         mask: torch.Tensor,
         bos_id: int,
-        candidates: list[torch.Tensor],
     ) -> None:
-        """Sentences join at ``step``: stop (B,) the step each is cut at, mask (B, 1, 1, S),
-        candidates: each one's shortlist candidates (empty without one)."""
+        """Sentences join at ``step``: stop (B,) the step each is cut at, mask (B, 1, 1, S)."""
         b, w = len(tags), self.width
         self.tags.extend(tags)
-        self.candidates.extend(candidates)
         self.start_host.extend([step] * b)
         self.start = torch.cat([self.start, self.start.new_full((b,), step)])
         stop_host = stop.tolist()
@@ -204,7 +196,6 @@ class _SentenceRows:
         self.start_host = [self.start_host[i] for i in kept]
         self.stop_host = [self.stop_host[i] for i in kept]
         self.source_lengths = [self.source_lengths[i] for i in kept]
-        self.candidates = [self.candidates[i] for i in kept]
         self.gather = keep if self.gather is None else self.gather.view(a, w)[keep].reshape(-1)
         self.memory_mask = self.memory_mask[keep, :, :, : self.source_width]
         self.start = self.start[keep]
@@ -227,9 +218,8 @@ class DecodeSession:
     ``_compact`` (the others close the gaps).
 
     With a ``shortlist`` (``model.shortlist``) a step scores only the union of the active
-    sentences' candidates: the output matrix's rows for it are gathered when the batch's
-    sentences change, each sentence's rows are kept to its own candidates, and the beams map
-    the chosen columns back to token ids.
+    sentences' candidates, each sentence's rows kept to its own (``shortlist.Vocabulary``), and
+    the beams map the chosen columns back to token ids.
     """
 
     def __init__(self, model: Transformer, options: DecodingOptions, shortlist: Shortlist | None = None) -> None:
@@ -250,11 +240,7 @@ class DecodeSession:
         self._cache: KVCache | None = None
         device = next(self.model.parameters()).device
         self._rows = _SentenceRows(self.k, self.model.config.pad_id, device)
-        self._vocab = None if self.shortlist is None else Vocabulary(self.shortlist, device)
-        self._output: torch.Tensor | None = None  # (C, D) the output matrix's rows of ``_vocab.ids``
-        self._output_version = -1  # the ``_vocab.version`` they were gathered at
-        self._own: torch.Tensor | None = None  # (A, 1, C) see ``_own_candidates``; follows leaving sentences
-        self._own_version = -1  # the ``_vocab.version`` it was made at (-1: sentences joined since)
+        self._vocab: Vocabulary | None = None  # with a shortlist: what the steps score, from the first admission
 
     @property
     def active(self) -> int:
@@ -288,13 +274,11 @@ class DecodeSession:
         else:
             self._cache.extend_memory(model.project_memory(memory))
             rows.added += src.shape[0] * rows.width
-        if self._vocab is None:
-            candidates = [_NO_CANDIDATES] * src.shape[0]
-        else:
-            candidates = self._vocab.shortlist.candidates_of(src, mask[:, 0, 0])  # padding is no piece
-            self._vocab.add(candidates)
-        rows.append(tags, self.steps, self.steps + limit, src_lengths.tolist(), mask, cfg.bos_id, candidates)
-        self._own_version = -1
+        rows.append(tags, self.steps, self.steps + limit, src_lengths.tolist(), mask, cfg.bos_id)
+        if self.shortlist is not None:
+            if self._vocab is None:
+                self._vocab = Vocabulary(self.shortlist, model.output_matrix(), self._step().dtype)
+            self._vocab.join(self.shortlist.candidates_of(src, mask[:, 0, 0]))  # padding is no piece
         assert self._cache.source_length >= rows.source_width
 
     @torch.inference_mode()
@@ -356,16 +340,15 @@ class DecodeSession:
         are truncated (finished)."""
         rows, alpha = self._rows, self.options.length_penalty
         a, w = len(rows), rows.width
-        if self._decoder is None:
-            self._decoder = DecoderStep(self.model)
-        vocab, output, own = self._output_rows(self._decoder.dtype)
+        vocab = self._vocab
         step_in = (rows.tokens.reshape(-1), cache, rows.memory_mask, positions, self_mask)
-        logits = self._decoder(*step_in, output=output).float()
-        if own is not None:  # each sentence's own candidates only
-            logits.view(a, w, -1).add_(own)
+        logits = self._step()(*step_in, output=None if vocab is None else vocab.rows).float()
+        if vocab is not None:  # each sentence's own candidates only
+            logits.view(a, w, -1).add_(vocab.bias)
         beams = rows.beams
         eos = self.model.config.eos_id
-        back, tokens = beams.advance(logits.view(a, w, -1), self.steps - rows.start, alpha, eos, vocab)
+        ids = None if vocab is None else vocab.ids
+        back, tokens = beams.advance(logits.view(a, w, -1), self.steps - rows.start, alpha, eos, ids)
         self.steps += 1
         truncated = [i for i, stop in enumerate(rows.stop_host) if stop <= self.steps]  # at the limit
         if truncated:
@@ -374,39 +357,11 @@ class DecodeSession:
         if back is not None:  # greedy rows stay in place
             rows.gather = back
 
-    def _output_rows(self, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """-> the shortlist's union (C,), the output matrix's rows for it (C, D), gathered
-        again only after sentences joined with new candidates or left (``Vocabulary``), and the
-        bias (A, 1, C) that keeps each sentence to its own candidates (``_own_candidates``);
-        None, None, None without a shortlist."""
-        if self._vocab is None:
-            return None, None, None
-        ids = self._vocab.ids
-        if self._output is None or self._output_version != self._vocab.version:
-            self._output = self.model.output_matrix()[ids].to(dtype)
-            self._output_version = self._vocab.version
-        if self._own_version != self._vocab.version:  # sentences joined, or the union was made again
-            self._own = self._own_candidates(ids)
-            self._own_version = self._vocab.version
-        return ids, self._output, self._own
-
-    def _own_candidates(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """ids (C,) the union -> (A, 1, C) float32: 0 where a column is a candidate of the
-        row's sentence, -inf elsewhere; None where every column is every sentence's. So a
-        sentence is translated from its own candidates, whatever sentences are decoded beside
-        it (the same translation alone or in any batch)."""
-        assert self._vocab is not None
-        candidates = self._rows.candidates
-        column = torch.empty(self._vocab.shortlist.vocab_size, dtype=torch.long, device=ids.device)
-        column[ids] = torch.arange(ids.numel(), device=ids.device)  # a piece's column (pieces in ids)
-        allowed = torch.zeros(len(candidates), ids.numel(), dtype=torch.bool, device=ids.device)
-        allowed[:, column[self._vocab.shortlist.always]] = True
-        lengths = torch.tensor([c.numel() for c in candidates], device=ids.device)
-        sentence = torch.repeat_interleave(torch.arange(len(candidates), device=ids.device), lengths)
-        allowed[sentence, column[torch.cat(candidates)]] = True
-        if bool(allowed.all()):
-            return None
-        return torch.zeros(allowed.shape, device=ids.device).masked_fill_(~allowed, -math.inf)[:, None, :]
+    def _step(self) -> DecoderStep:
+        """The decoder step, bound at first use (inside inference mode)."""
+        if self._decoder is None:
+            self._decoder = DecoderStep(self.model)
+        return self._decoder
 
     def _harvest(self) -> tuple[list[int], list[Finished]]:
         """-> the sentences whose beams are all finished (their places in the batch) and them."""
@@ -431,13 +386,11 @@ class DecodeSession:
             self._reset()
             return
         gone = set(finished)
-        if self._vocab is not None:
-            self._vocab.remove([rows.candidates[i] for i in finished])
         kept = _compacted([i for i in range(a) if i not in gone])
         keep = torch.tensor(kept, device=rows.start.device)
         columns = rows.memory_mask.shape[3]
         rows.select(kept, keep)
-        if self._own is not None:  # the same columns until the union is made again
-            self._own = self._own[keep]
+        if self._vocab is not None:
+            self._vocab.leave(finished, kept, keep)
         width = rows.source_width
         cache.select_memory(kept, width if width < columns else None)

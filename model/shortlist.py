@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,46 +126,108 @@ def build(
 
 
 class Vocabulary:
-    """The union of the active sentences' candidates, kept by counting: each sentence that joins
-    adds one to its candidates' counts, each that leaves takes one away. ``ids`` is a superset
-    of the union (sorted): it is made again whenever a sentence joins with a candidate it lacks,
-    but when sentences leave only once it is a quarter larger than the union (gathering the
-    output matrix's rows for it again costs more than scoring a few extra rows at every step of
-    a batch whose sentences finish one by one). ``version`` counts the times it was made."""
+    """What a decoding session's steps score with a shortlist: columns (``ids``: the union of its
+    active sentences' candidates, perhaps more), the output matrix's rows for them (``rows``),
+    and which columns are each sentence's own (``bias``: 0 there, -inf elsewhere, so a sentence
+    is translated from its own candidates whatever sentences are decoded beside it).
 
-    SLACK = 1.25  # ids may hold this many times the union's size after sentences left
+    Kept up to date at small cost as sentences come and go, by counting (each candidate counts
+    the active sentences that have it): a joining sentence's new candidates are appended as
+    columns (their rows gathered, the other sentences' bias -inf there) and its bias row added;
+    leaving sentences take their bias rows along, and their columns stay until the columns are a
+    quarter more than the union (``SLACK``), then everything is made again from the union.
+    Sentences are in the session's batch order."""
 
-    def __init__(self, shortlist: Shortlist, device: torch.device) -> None:
-        self.shortlist = shortlist.to(device)
-        self.counts = torch.zeros(shortlist.vocab_size, dtype=torch.int32, device=device)
+    SLACK = 1.25
+
+    def __init__(self, shortlist: Shortlist, matrix: torch.Tensor, dtype: torch.dtype) -> None:
+        """matrix (V, D) the output projection; its rows are scored in ``dtype``."""
+        self.shortlist = shortlist.to(matrix.device)
+        self.matrix, self.dtype, self.device = matrix, dtype, matrix.device
+        self.counts = torch.zeros(shortlist.vocab_size, dtype=torch.int32, device=self.device)
         self.counts[self.shortlist.always] = 1  # never taken away
-        self._ids: torch.Tensor | None = None
-        self._covered = torch.zeros_like(self.counts, dtype=torch.bool)  # the pieces in ``_ids``
-        self._stale = True
-        self.version = 0
-
-    def add(self, sentences: list[torch.Tensor]) -> None:
-        """Sentences join: each one's candidates (unique ids)."""
-        candidates = torch.cat(sentences)
-        self.counts.index_add_(0, candidates, torch.ones_like(candidates, dtype=torch.int32))
-        self._stale = self._stale or not bool(self._covered[candidates].all())
-
-    def remove(self, sentences: list[torch.Tensor]) -> None:
-        """Sentences leave: each one's candidates, as they were added."""
-        candidates = torch.cat(sentences)
-        self.counts.index_add_(0, candidates, torch.full_like(candidates, -1, dtype=torch.int32))
-        if not self._stale and self._ids is not None:
-            self._stale = self._ids.numel() > self.SLACK * int(self.counts.count_nonzero())
+        self.sentences: list[torch.Tensor] = []  # each active sentence's candidates
+        self.remade = 0  # how many times the columns were made from the union (tests read it)
+        self.column = torch.full_like(self.counts, -1, dtype=torch.long)  # each id's column (-1: none)
+        self._ids = torch.empty(0, dtype=torch.long, device=self.device)
+        self._rows = torch.empty(0, matrix.shape[1], dtype=dtype, device=self.device)
+        self._bias = torch.empty(0, 0, device=self.device)
+        self.size = 0
+        self._remake()
 
     @property
     def ids(self) -> torch.Tensor:
-        """(C,) sorted ids: every candidate of an active sentence and ``always``, and perhaps
-        some of sentences that left (see the class's docstring)."""
-        if self._stale or self._ids is None:
-            self._covered = self.counts > 0
-            self._ids = self._covered.nonzero()[:, 0]
-            self._stale, self.version = False, self.version + 1
-        return self._ids
+        """(C,) the token id of each column (not sorted)."""
+        return self._ids[: self.size]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """(C, D) the output matrix's rows of ``ids``."""
+        return self._rows[: self.size]
+
+    @property
+    def bias(self) -> torch.Tensor:
+        """(A, 1, C) 0 at a sentence's own columns (its candidates and ``always``), -inf elsewhere."""
+        return self._bias[:, None, :]
+
+    def join(self, candidates: list[torch.Tensor]) -> None:
+        """Sentences join, behind the others: each one's candidates (unique ids)."""
+        added = torch.cat(candidates)
+        self.counts.index_add_(0, added, torch.ones_like(added, dtype=torch.int32))
+        new = added.unique()
+        new = new[self.column[new] < 0]
+        if new.numel():
+            self._append(new)
+        bias = torch.full((len(self.sentences) + len(candidates), self.size), -math.inf, device=self.device)
+        bias[: self._bias.shape[0], : self._bias.shape[1]] = self._bias
+        bias[self._bias.shape[0] :] = self._own(candidates)
+        self._bias = bias
+        self.sentences.extend(candidates)
+
+    def leave(self, gone: list[int], kept: list[int], keep: torch.Tensor) -> None:
+        """Sentences ``gone`` leave; ``kept`` (keep: the same on the device) stay, in that order."""
+        removed = torch.cat([self.sentences[i] for i in gone])
+        self.counts.index_add_(0, removed, torch.full_like(removed, -1, dtype=torch.int32))
+        self.sentences = [self.sentences[i] for i in kept]
+        if self.size > self.SLACK * int(self.counts.count_nonzero()):
+            self._remake()
+        else:
+            self._bias = self._bias[keep]
+
+    def _remake(self) -> None:
+        """Columns from the union (sorted), their rows, every sentence's bias row."""
+        ids = (self.counts > 0).nonzero()[:, 0]
+        self.column = torch.full_like(self.counts, -1, dtype=torch.long)  # each id's column (-1: none)
+        self._ids = torch.empty(0, dtype=torch.long, device=self.device)
+        self._rows = torch.empty(0, self.matrix.shape[1], dtype=self.dtype, device=self.device)
+        self.size = 0
+        self._append(ids)
+        self._bias = self._own(self.sentences)
+        self.remade += 1
+
+    def _append(self, ids: torch.Tensor) -> None:
+        """New columns at the end, their rows gathered; buffers grow by doubling."""
+        size = self.size + ids.numel()
+        if size > self._ids.numel():
+            capacity = min(max(size, 2 * self._ids.numel()), self.shortlist.vocab_size)
+            grown_ids = torch.empty(capacity, dtype=torch.long, device=self.device)
+            grown_rows = torch.empty(capacity, self.matrix.shape[1], dtype=self.dtype, device=self.device)
+            grown_ids[: self.size], grown_rows[: self.size] = self.ids, self.rows
+            self._ids, self._rows = grown_ids, grown_rows
+        self._ids[self.size : size] = ids
+        self._rows[self.size : size] = self.matrix[ids]
+        self.column[ids] = torch.arange(self.size, size, device=self.device)
+        self.size = size
+
+    def _own(self, candidates: list[torch.Tensor]) -> torch.Tensor:
+        """(B, C) float: each sentence's bias row over the current columns."""
+        allowed = torch.zeros(len(candidates), self.size, dtype=torch.bool, device=self.device)
+        allowed[:, self.column[self.shortlist.always]] = True
+        if candidates:
+            lengths = torch.tensor([c.numel() for c in candidates], device=self.device)
+            sentence = torch.repeat_interleave(torch.arange(len(candidates), device=self.device), lengths)
+            allowed[sentence, self.column[torch.cat(candidates)]] = True
+        return torch.zeros(allowed.shape, device=self.device).masked_fill_(~allowed, -math.inf)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -49,20 +49,28 @@ def test_candidates_are_the_pieces_and_their_associations() -> None:
     assert each == [[3, 4, 5, 7, 8, 9], [3, 9], [3, 4, 6, 7, 8]]  # padding adds no candidates
 
 
-def test_the_union_grows_when_sentences_join_and_shrinks_only_by_a_margin() -> None:
+def test_the_columns_grow_as_sentences_join_and_are_made_again_only_past_the_slack() -> None:
     table = Shortlist.from_table(torch.zeros(100, 1, dtype=torch.long), torch.tensor([0, 1, 2, 3]))
-    vocab = Vocabulary(table, torch.device("cpu"))
-    assert vocab.ids.tolist() == [0, 1, 2, 3]
+    matrix = torch.arange(100.0)[:, None].expand(100, 2)  # row i is (i, i)
+    vocab = Vocabulary(table, matrix, torch.float32)
+    assert vocab.ids.tolist() == [0, 1, 2, 3] and vocab.bias.shape == (0, 1, 4)
     big, small = torch.arange(10, 30), torch.tensor([40])
-    vocab.add([big, small])
+    vocab.join([big, small])
     assert vocab.ids.tolist() == [0, 1, 2, 3, *range(10, 30), 40]
-    version = vocab.version
-    vocab.add([torch.tensor([12, 40])])  # nothing new: the same rows
-    assert vocab.ids.numel() == 25 and vocab.version == version
-    vocab.remove([small])  # 24 of 25 left: within the slack, the rows stay
-    assert 40 in vocab.ids.tolist() and vocab.version == version
-    vocab.remove([big])  # the union is 0-3, 12 and 40 (each added twice, removed once): 25 > 1.25 x 6 rows
-    assert vocab.ids.tolist() == [0, 1, 2, 3, 12, 40] and vocab.version == version + 1
+    assert torch.equal(vocab.rows[:, 0], vocab.ids.float())  # each column's own row
+    inf = float("-inf")
+    assert vocab.bias[0, 0].tolist() == [0.0] * 24 + [inf] and vocab.bias[1, 0].tolist() == [0.0] * 4 + [inf] * 20 + [
+        0.0
+    ]
+    vocab.join([torch.tensor([12, 50])])  # one new column, appended: the others' bias -inf there
+    assert vocab.ids.tolist()[-1] == 50 and vocab.bias[:2, 0, -1].tolist() == [inf, inf]
+    assert (vocab.bias[2, 0] == 0).sum() == 6 and vocab.remade == 1
+    vocab.leave([1], [0, 2], torch.tensor([0, 2]))  # small leaves: 25 of 26 columns still used
+    assert vocab.ids.numel() == 26 and vocab.remade == 1 and vocab.bias.shape == (2, 1, 26)
+    assert vocab.bias[1, 0, -1] == 0  # the third sentence's row moved up with it
+    vocab.leave([0], [1], torch.tensor([1]))  # big leaves: 6 columns used of 26, made again
+    assert vocab.ids.tolist() == [0, 1, 2, 3, 12, 50] and vocab.remade == 2
+    assert vocab.bias.tolist() == [[[0.0] * 6]]
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
