@@ -88,9 +88,11 @@ class Shortlist:
         within -= torch.repeat_interleave(ends - lengths, lengths)
         targets = self.targets[torch.repeat_interleave(start, lengths) + within].long()
         owner = torch.repeat_interleave(sentence, lengths)
-        keys = torch.cat([sentence * v + pieces, owner * v + targets]).unique()  # sorted: by sentence, then id
-        per = torch.bincount(keys // v, minlength=b).tolist()
-        return list((keys % v).split(per))
+        mark = torch.zeros(b, v, dtype=torch.bool, device=device)  # (sentence, piece): a candidate
+        mark[sentence, pieces] = True
+        mark[owner, targets] = True
+        found = mark.nonzero()  # (N, 2) by sentence, then id (no sort: unique() sorted 10x slower)
+        return list(found[:, 1].split(mark.sum(dim=1).tolist()))
 
     def to(self, device: torch.device) -> Shortlist:
         return Shortlist(self.offsets.to(device), self.targets.to(device), self.always.to(device), self.per_source)
@@ -174,8 +176,7 @@ class Vocabulary:
         """Sentences join, behind the others: each one's candidates (unique ids)."""
         added = torch.cat(candidates)
         self.counts.index_add_(0, added, torch.ones_like(added, dtype=torch.int32))
-        new = added.unique()
-        new = new[self.column[new] < 0]
+        new = added[self.column[added] < 0].unique()  # (few: most candidates have columns already)
         if new.numel():
             self._append(new)
         bias = torch.full((len(self.sentences) + len(candidates), self.size), -math.inf, device=self.device)
