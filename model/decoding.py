@@ -232,6 +232,7 @@ class DecodeSession:
         self.shortlist = shortlist
         self._decoder: DecoderStep | None = None  # bound at the first step, inside inference mode
         self._encoder: EncoderPass | None = None  # bound at the first admission, inside inference mode
+        self._vocab: Vocabulary | None = None  # with a shortlist: what the steps score, from the first admission
         self._reset()
 
     def _reset(self) -> None:
@@ -240,7 +241,8 @@ class DecodeSession:
         self._cache: KVCache | None = None
         device = next(self.model.parameters()).device
         self._rows = _SentenceRows(self.k, self.model.config.pad_id, device)
-        self._vocab: Vocabulary | None = None  # with a shortlist: what the steps score, from the first admission
+        if self._vocab is not None:
+            self._vocab.clear()  # kept across resets: the always-candidates' rows are gathered once
 
     @property
     def active(self) -> int:

@@ -148,6 +148,7 @@ class Vocabulary:
         self.matrix, self.dtype, self.device = matrix, dtype, matrix.device
         self.counts = torch.zeros(shortlist.vocab_size, dtype=torch.int32, device=self.device)
         self.counts[self.shortlist.always] = 1  # never taken away
+        self._empty = self.counts.clone()  # the counts with no sentence
         self.sentences: list[torch.Tensor] = []  # each active sentence's candidates
         self.remade = 0  # how many times the columns were made from the union (tests read it)
         self.column = torch.full_like(self.counts, -1, dtype=torch.long)  # each id's column (-1: none)
@@ -171,6 +172,19 @@ class Vocabulary:
     def bias(self) -> torch.Tensor:
         """(A, 1, C) 0 at a sentence's own columns (its candidates and ``always``), -inf elsewhere."""
         return self._bias[:, None, :]
+
+    def clear(self) -> None:
+        """Every sentence left (a session that emptied): back to ``always``'s columns, which
+        come first after a remake from no sentences, without gathering their rows again."""
+        self.counts.copy_(self._empty)
+        self.sentences = []
+        base = self.shortlist.always.numel()
+        if self.size >= base and torch.equal(self._ids[:base], self.shortlist.always):
+            self.column[self._ids[base : self.size]] = -1
+            self.size = base
+            self._bias = self._own([])
+        else:
+            self._remake()
 
     def join(self, candidates: list[torch.Tensor]) -> None:
         """Sentences join, behind the others: each one's candidates (unique ids)."""

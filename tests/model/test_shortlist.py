@@ -71,6 +71,19 @@ def test_the_columns_grow_as_sentences_join_and_are_made_again_only_past_the_sla
     vocab.leave([0], [1], torch.tensor([1]))  # big leaves: 6 columns used of 26, made again
     assert vocab.ids.tolist() == [0, 1, 2, 3, 12, 50] and vocab.remade == 2
     assert vocab.bias.tolist() == [[[0.0] * 6]]
+    vocab.join([torch.tensor([70, 71])])
+    vocab.clear()  # ``always`` come first: cut back to them, nothing gathered
+    assert vocab.ids.tolist() == [0, 1, 2, 3] and vocab.remade == 2 and int(vocab.column[70]) == -1
+    assert vocab.bias.shape == (0, 1, 4)
+    vocab.join([torch.tensor([71])])
+    assert vocab.ids.tolist() == [0, 1, 2, 3, 71] and torch.equal(vocab.rows[:, 0], vocab.ids.float())
+    mixed = Vocabulary(
+        Shortlist.from_table(torch.zeros(100, 1, dtype=torch.long), torch.tensor([0, 90])), matrix, torch.float32
+    )
+    mixed.join([torch.arange(5, 30), torch.tensor([6])])
+    mixed.leave([0], [1], torch.tensor([1]))  # made again from the union, sorted: 0, 6, 90
+    mixed.clear()  # ``always`` no longer first: made again
+    assert mixed.ids.tolist() == [0, 90] and mixed.remade == 3
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
