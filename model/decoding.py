@@ -11,6 +11,7 @@ joined are masked out of its rows. ``decode_stream`` is a session given one batc
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -222,7 +223,15 @@ class DecodeSession:
     the beams map the chosen columns back to token ids.
     """
 
-    def __init__(self, model: Transformer, options: DecodingOptions, shortlist: Shortlist | None = None) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        options: DecodingOptions,
+        shortlist: Shortlist | None = None,
+        vocabulary: Vocabulary | None = None,
+    ) -> None:
+        """``vocabulary``: the shortlist's columns of the model's previous session, taken over
+        (``Vocabulary.claim``) instead of made anew."""
         if shortlist is not None and shortlist.vocab_size != model.config.tgt_vocab_size:
             vocab = model.config.tgt_vocab_size
             raise ValueError(f"shortlist of {shortlist.vocab_size} pieces for a vocabulary of {vocab}")
@@ -233,6 +242,9 @@ class DecodeSession:
         self._decoder: DecoderStep | None = None  # bound at the first step, inside inference mode
         self._encoder: EncoderPass | None = None  # bound at the first admission, inside inference mode
         self._vocab: Vocabulary | None = None  # with a shortlist: what the steps score, from the first admission
+        if vocabulary is not None and shortlist is not None:
+            vocabulary.claim(self)
+            self._vocab = vocabulary
         self._reset()
 
     def _reset(self) -> None:
@@ -241,8 +253,10 @@ class DecodeSession:
         self._cache: KVCache | None = None
         device = next(self.model.parameters()).device
         self._rows = _SentenceRows(self.k, self.model.config.pad_id, device)
-        if self._vocab is not None:
+        if self._vocab is not None and self._vocab.owner() is self:
             self._vocab.clear()  # kept across resets: the always-candidates' rows are gathered once
+        else:
+            self._vocab = None
 
     @property
     def active(self) -> int:
@@ -278,8 +292,9 @@ class DecodeSession:
             rows.added += src.shape[0] * rows.width
         rows.append(tags, self.steps, self.steps + limit, src_lengths.tolist(), mask, cfg.bos_id)
         if self.shortlist is not None:
-            if self._vocab is None:
+            if self._vocab is None or self._vocab.owner() is not self:  # (a later session took it over)
                 self._vocab = Vocabulary(self.shortlist, model.output_matrix(), self._step().dtype)
+                self._vocab.owner = weakref.ref(self)
             self._vocab.join(self.shortlist.candidates_of(src, mask[:, 0, 0]))  # padding is no piece
         assert self._cache.source_length >= rows.source_width
 
@@ -342,7 +357,8 @@ class DecodeSession:
         are truncated (finished)."""
         rows, alpha = self._rows, self.options.length_penalty
         a, w = len(rows), rows.width
-        vocab = self._vocab
+        vocab = self._vocab if self._vocab is None or self._vocab.owner() is self else None
+        assert vocab is not None or self.shortlist is None, "the session's shortlist columns were taken over"
         step_in = (rows.tokens.reshape(-1), cache, rows.memory_mask, positions, self_mask)
         logits = self._step()(*step_in, output=None if vocab is None else vocab.rows).float()
         if vocab is not None:  # each sentence's own candidates only

@@ -26,7 +26,8 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,6 +152,7 @@ class Vocabulary:
         self._empty = self.counts.clone()  # the counts with no sentence
         self.sentences: list[torch.Tensor] = []  # each active sentence's candidates
         self.remade = 0  # how many times the columns were made from the union (tests read it)
+        self.owner: Callable[[], object] = lambda: None  # the session using it (``claim``)
         self.column = torch.full_like(self.counts, -1, dtype=torch.long)  # each id's column (-1: none)
         self._ids = torch.empty(0, dtype=torch.long, device=self.device)
         self._rows = torch.empty(0, matrix.shape[1], dtype=dtype, device=self.device)
@@ -173,6 +175,15 @@ class Vocabulary:
         """(A, 1, C) 0 at a sentence's own columns (its candidates and ``always``), -inf elsewhere."""
         return self._bias[:, None, :]
 
+    @torch.inference_mode()
+    def claim(self, session: object) -> None:
+        """A new session takes it over, empty (a model's sessions come one after another: the
+        always-candidates' rows are gathered once, not by every session on freshly trimmed
+        memory); the session that had it must make its own from then on (``owner``)."""
+        self.owner = weakref.ref(session)
+        self.clear()
+
+    @torch.inference_mode()
     def clear(self) -> None:
         """Every sentence left (a session that emptied): back to ``always``'s columns, which
         come first after a remake from no sentences, without gathering their rows again."""

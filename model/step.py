@@ -36,6 +36,14 @@ from model.masks import padding_mask
 from model.transformer import DecoderLayer, EncoderLayer, Transformer
 
 
+def step_dtype(model: Transformer) -> torch.dtype:
+    """What a decoder step computes in (its position table's dtype)."""
+    embed = model.tgt_embed
+    positions = embed.learned.weight if embed.learned is not None else embed.table
+    assert positions is not None
+    return positions.dtype
+
+
 def _bound(module: Linear) -> BoundLinear:
     return bind(module.kernel, module.weight, module.bias)
 

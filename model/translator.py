@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -9,7 +10,8 @@ import torch
 
 from model.data import pad, token_batches
 from model.decoding import Decoded, DecodeSession, DecodingOptions, Finished, Hypothesis, collect, decode_stream
-from model.shortlist import Shortlist
+from model.shortlist import Shortlist, Vocabulary
+from model.step import step_dtype
 from model.tokenizer import Tokenizer
 from model.transformer import AttentionMaps, Transformer
 
@@ -73,8 +75,9 @@ class IdsSession:
         options: DecodingOptions,
         prefix: Sequence[int] = (),
         shortlist: Shortlist | None = None,
+        vocabulary: Vocabulary | None = None,
     ) -> None:
-        self.session = DecodeSession(model, options, shortlist)
+        self.session = DecodeSession(model, options, shortlist, vocabulary)
         self.model = model
         self.prefix = tuple(prefix)
 
@@ -117,6 +120,8 @@ class Translator:
         self.config = model.config
         self.prefix = tuple(prefix)
         self.shortlist = shortlist
+        self._vocabulary: Vocabulary | None = None  # the shortlist's columns, handed from session to session
+        self._holder: Callable[[], DecodeSession | None] = lambda: None  # the session that has them
 
     @property
     def device(self) -> torch.device:
@@ -144,8 +149,20 @@ class Translator:
         return decode_stream(self.model, source_batch(self.model, batch, self.prefix), options, self.shortlist)
 
     def open_session(self, options: DecodingOptions) -> IdsSession:
-        """A running batch that sentences can join between steps (continuous batching)."""
-        return IdsSession(self.model, options, self.prefix, self.shortlist)
+        """A running batch that sentences can join between steps (continuous batching). With
+        a shortlist, it takes over the previous session's columns when that one is done."""
+        vocabulary = None
+        if self.shortlist is not None:
+            holder = self._holder()
+            if self._vocabulary is None:
+                with torch.inference_mode():
+                    self._vocabulary = Vocabulary(self.shortlist, self.model.output_matrix(), step_dtype(self.model))
+            if holder is None or not holder.active:
+                vocabulary = self._vocabulary
+        session = IdsSession(self.model, options, self.prefix, self.shortlist, vocabulary)
+        if vocabulary is not None:
+            self._holder = weakref.ref(session.session)
+        return session
 
     def to_translation(self, src_ids: Sequence[int], hyps: Sequence[Hypothesis]) -> Translation:
         texts = self.tokenizer.decode([h.ids for h in hyps])

@@ -183,3 +183,32 @@ def test_float_precisions_use_the_shortlist_and_int8_the_whole_vocabulary(shippe
     if not kernels.detected().avx2:
         pytest.skip("int8 needs AVX2")
     assert checkpoint.shortlist_for(checkpoint.load(shipped, precision="int8")) is None
+
+
+def test_a_translators_sessions_hand_the_columns_on_only_when_done() -> None:
+    model = make_model(seed=4)
+    gen = torch.Generator().manual_seed(0)
+    table = Shortlist.from_table(torch.randint(4, V, (V, 3), generator=gen), torch.tensor([0, 1, 2, 3]))
+    translator = Translator(model, tokenizer=None, shortlist=table)  # type: ignore[arg-type]  # ids only
+    opts = DecodingOptions(beam_size=2)
+    rows = sources(3, seed=5)
+    alone = [decode(model, pad([r], 0), opts, table).hypotheses[0][0].ids for r in rows]
+    first = translator.open_session(opts)
+    first.admit([rows[0][:-1]], [0])
+    second = translator.open_session(opts)  # the first is still decoding: the second makes its own
+    second.admit([rows[1][:-1]], [1])
+    assert second.session._vocab is not first.session._vocab
+    done = {}
+    for session in (first, second):
+        while session.active:
+            done.update({f.tag: f.hypotheses[0].ids for f in session.step()})
+    third = translator.open_session(opts)  # the holder is done: it takes the columns over
+    third.admit([rows[2][:-1]], [2])
+    while third.active:
+        done.update({f.tag: f.hypotheses[0].ids for f in third.step()})
+    assert third.session._vocab is first.session._vocab or third.session._vocab is translator._vocabulary
+    assert [done[i] for i in range(3)] == alone
+    first.admit([rows[0][:-1]], [0])  # the first, used again, makes its own columns
+    assert first.session._vocab is not third.session._vocab
+    while first.active:
+        assert [f.hypotheses[0].ids for f in first.step()] in ([], [alone[0]])
