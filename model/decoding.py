@@ -408,7 +408,7 @@ class DecodeSession:
         keep = torch.tensor(kept, device=rows.start.device)
         columns = rows.memory_mask.shape[3]
         rows.select(kept, keep)
-        if self._vocab is not None:
+        if self._vocab is not None and self._vocab.owner() is self:
             self._vocab.leave(finished, kept, keep)
         width = rows.source_width
         cache.select_memory(kept, width if width < columns else None)
