@@ -193,6 +193,8 @@ class Vocabulary:
         if self.size >= base and torch.equal(self._ids[:base], self.shortlist.always):
             self.column[self._ids[base : self.size]] = -1
             self.size = base
+            if self._ids.numel() > 2 * base:  # grown by large batches: hold no more than twice ``always``
+                self._ids, self._rows = self._ids[:base].clone(), self._rows[:base].clone()
             self._bias = self._own([])
         else:
             self._remake()

@@ -77,6 +77,11 @@ def test_the_columns_grow_as_sentences_join_and_are_made_again_only_past_the_sla
     assert vocab.bias.shape == (0, 1, 4)
     vocab.join([torch.tensor([71])])
     assert vocab.ids.tolist() == [0, 1, 2, 3, 71] and torch.equal(vocab.rows[:, 0], vocab.ids.float())
+    vocab.join([torch.arange(20, 90)])  # the buffers grow past twice ``always``...
+    vocab.clear()  # ...and are cut back to it
+    assert vocab._ids.numel() == 4 and vocab._rows.shape == (4, 2) and vocab.ids.tolist() == [0, 1, 2, 3]
+    vocab.join([torch.tensor([95])])
+    assert vocab.ids.tolist() == [0, 1, 2, 3, 95] and torch.equal(vocab.rows[:, 0], vocab.ids.float())
     mixed = Vocabulary(
         Shortlist.from_table(torch.zeros(100, 1, dtype=torch.long), torch.tensor([0, 90])), matrix, torch.float32
     )
