@@ -11,7 +11,6 @@ joined are masked out of its rows. ``decode_stream`` is a session given one batc
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ import torch
 from model.beams import Beams, Hypothesis, cat_padded
 from model.cache import KVCache
 from model.shortlist import Shortlist, Vocabulary
-from model.step import DecoderStep, EncoderPass
+from model.step import DecoderStep, EncoderPass, step_dtype
 from model.transformer import Transformer
 
 
@@ -253,10 +252,10 @@ class DecodeSession:
         self._cache: KVCache | None = None
         device = next(self.model.parameters()).device
         self._rows = _SentenceRows(self.k, self.model.config.pad_id, device)
-        if self._vocab is not None and self._vocab.owner() is self:
-            self._vocab.clear()  # kept across resets: the always-candidates' rows are gathered once
-        else:
-            self._vocab = None
+        vocab = self._own_vocab()
+        if vocab is not None:
+            vocab.clear()  # kept across resets: the always-candidates' rows are gathered once
+        self._vocab = vocab
 
     @property
     def active(self) -> int:
@@ -292,10 +291,11 @@ class DecodeSession:
             rows.added += src.shape[0] * rows.width
         rows.append(tags, self.steps, self.steps + limit, src_lengths.tolist(), mask, cfg.bos_id)
         if self.shortlist is not None:
-            if self._vocab is None or self._vocab.owner() is not self:  # (a later session took it over)
-                self._vocab = Vocabulary(self.shortlist, model.output_matrix(), self._step().dtype)
-                self._vocab.owner = weakref.ref(self)
-            self._vocab.join(self.shortlist.candidates_of(src, mask[:, 0, 0]))  # padding is no piece
+            vocab = self._own_vocab()
+            if vocab is None:  # the first admission, or a later session took the columns over
+                vocab = self._vocab = Vocabulary(self.shortlist, model.output_matrix(), step_dtype(model))
+                vocab.claim(self)
+            vocab.join(self.shortlist.candidates_of(src, mask[:, 0, 0]))  # padding is no piece
         assert self._cache.source_length >= rows.source_width
 
     @torch.inference_mode()
@@ -357,10 +357,12 @@ class DecodeSession:
         are truncated (finished)."""
         rows, alpha = self._rows, self.options.length_penalty
         a, w = len(rows), rows.width
-        vocab = self._vocab if self._vocab is None or self._vocab.owner() is self else None
+        if self._decoder is None:
+            self._decoder = DecoderStep(self.model)
+        vocab = self._own_vocab()
         assert vocab is not None or self.shortlist is None, "the session's shortlist columns were taken over"
         step_in = (rows.tokens.reshape(-1), cache, rows.memory_mask, positions, self_mask)
-        logits = self._step()(*step_in, output=None if vocab is None else vocab.rows).float()
+        logits = self._decoder(*step_in, output=None if vocab is None else vocab.rows).float()
         if vocab is not None:  # each sentence's own candidates only
             logits.view(a, w, -1).add_(vocab.bias)
         beams = rows.beams
@@ -375,11 +377,9 @@ class DecodeSession:
         if back is not None:  # greedy rows stay in place
             rows.gather = back
 
-    def _step(self) -> DecoderStep:
-        """The decoder step, bound at first use (inside inference mode)."""
-        if self._decoder is None:
-            self._decoder = DecoderStep(self.model)
-        return self._decoder
+    def _own_vocab(self) -> Vocabulary | None:
+        """The shortlist's columns while this session holds them (``Vocabulary.claim``)."""
+        return self._vocab if self._vocab is not None and self._vocab.owner() is self else None
 
     def _harvest(self) -> tuple[list[int], list[Finished]]:
         """-> the sentences whose beams are all finished (their places in the batch) and them."""
@@ -408,7 +408,8 @@ class DecodeSession:
         keep = torch.tensor(kept, device=rows.start.device)
         columns = rows.memory_mask.shape[3]
         rows.select(kept, keep)
-        if self._vocab is not None and self._vocab.owner() is self:
-            self._vocab.leave(finished, kept, keep)
+        vocab = self._own_vocab()
+        if vocab is not None:
+            vocab.leave(finished, kept, keep)
         width = rows.source_width
         cache.select_memory(kept, width if width < columns else None)

@@ -8,14 +8,15 @@ the training data, the source's own pieces (names and numbers are copied through
 vocabulary), and for each source piece the ``per_source`` target pieces most associated with it
 in the training pairs (Dice coefficient of co-occurrence in a sentence pair), as Marian's and
 CTranslate2's vocabulary shortlists do with word alignments. A decoding session scores the
-union of its active sentences' candidates, so the result is an approximation: a token the
-model would choose that is outside the union cannot be chosen (and log-probabilities are
-normalized over the union). How close it stays is measured per direction on the validation
+union of its active sentences' candidates and keeps each sentence to its own (``Vocabulary``),
+so a sentence's translation does not depend on its batch; it is an approximation all the same:
+a token the model would choose that is outside a sentence's candidates cannot be chosen (and
+log-probabilities are normalized over its candidates). How close it stays is measured per direction on the validation
 split (docs/benchmarks.md): the parameters were chosen there, never on test.
 
 Build it from a checkpoint's training data with
 
-    python -m model.shortlist --weights weights/de-en [--per-source 100 --frequent 1000]
+    python -m model.shortlist --weights weights/de-en [--per-source 200 --frequent 2000]
 
 which writes ``shortlist.safetensors`` into the checkpoint folder (``model.train`` does the
 same for each run it finishes); ``checkpoint.load_shortlist`` reads it.
@@ -174,6 +175,11 @@ class Vocabulary:
     def bias(self) -> torch.Tensor:
         """(A, 1, C) 0 at a sentence's own columns (its candidates and ``always``), -inf elsewhere."""
         return self._bias[:, None, :]
+
+    @property
+    def in_use(self) -> bool:
+        """A live session holds it with sentences being decoded (so it cannot be handed on)."""
+        return self.owner() is not None and bool(self.sentences)
 
     @torch.inference_mode()
     def claim(self, session: object) -> None:

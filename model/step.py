@@ -36,12 +36,17 @@ from model.masks import padding_mask
 from model.transformer import DecoderLayer, EncoderLayer, Transformer
 
 
-def step_dtype(model: Transformer) -> torch.dtype:
-    """What a decoder step computes in (its position table's dtype)."""
+def _position_table(model: Transformer) -> torch.Tensor:
+    """(P, D) the target positions a decoder step adds: learned or sinusoidal."""
     embed = model.tgt_embed
     positions = embed.learned.weight if embed.learned is not None else embed.table
     assert positions is not None
-    return positions.dtype
+    return positions
+
+
+def step_dtype(model: Transformer) -> torch.dtype:
+    """What a decoder step computes in (its position table's dtype)."""
+    return _position_table(model).dtype
 
 
 def _bound(module: Linear) -> BoundLinear:
@@ -140,10 +145,7 @@ class DecoderStep:
         self.final_norm = None if model.decoder_norm is None else _Norm.of(model.decoder_norm)
         embed = model.tgt_embed
         self.tokens, self.embed_scale = embed.tokens.weight, embed.scale
-        positions = embed.learned.weight if embed.learned is not None else embed.table
-        assert positions is not None
-        self.positions: torch.Tensor = positions
-        self.dtype = positions.dtype  # what the step computes in
+        self.positions = _position_table(model)
         self.max_positions = embed.max_positions
         self._memory: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (mask, its bias)
 

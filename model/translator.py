@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -121,7 +120,6 @@ class Translator:
         self.prefix = tuple(prefix)
         self.shortlist = shortlist
         self._vocabulary: Vocabulary | None = None  # the shortlist's columns, handed from session to session
-        self._holder: Callable[[], DecodeSession | None] = lambda: None  # the session that has them
 
     @property
     def device(self) -> torch.device:
@@ -153,16 +151,12 @@ class Translator:
         a shortlist, it takes over the previous session's columns when that one is done."""
         vocabulary = None
         if self.shortlist is not None:
-            holder = self._holder()
             if self._vocabulary is None:
                 with torch.inference_mode():
                     self._vocabulary = Vocabulary(self.shortlist, self.model.output_matrix(), step_dtype(self.model))
-            if holder is None or not holder.active:
+            if not self._vocabulary.in_use:
                 vocabulary = self._vocabulary
-        session = IdsSession(self.model, options, self.prefix, self.shortlist, vocabulary)
-        if vocabulary is not None:
-            self._holder = weakref.ref(session.session)
-        return session
+        return IdsSession(self.model, options, self.prefix, self.shortlist, vocabulary)
 
     def to_translation(self, src_ids: Sequence[int], hyps: Sequence[Hypothesis]) -> Translation:
         texts = self.tokenizer.decode([h.ids for h in hyps])
