@@ -78,11 +78,16 @@ class Finished:
 
 
 def decode_stream(
-    model: Transformer, src: torch.Tensor, options: DecodingOptions, shortlist: Shortlist | None = None
+    model: Transformer,
+    src: torch.Tensor,
+    options: DecodingOptions,
+    shortlist: Shortlist | None = None,
+    vocabulary: Vocabulary | None = None,
 ) -> Iterator[Finished]:
     """src: (B, S) padded ids, each row ending with EOS -> each sentence as soon as it is done
-    (the batch goes on decoding the others), in the order they finish."""
-    session = DecodeSession(model, options, shortlist)
+    (the batch goes on decoding the others), in the order they finish. ``vocabulary``: a
+    previous session's shortlist columns to take over (``DecodeSession``)."""
+    session = DecodeSession(model, options, shortlist, vocabulary)
     if src.shape[0]:
         session.admit(src, range(src.shape[0]))
     while session.active:

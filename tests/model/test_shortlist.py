@@ -217,3 +217,22 @@ def test_a_translators_sessions_hand_the_columns_on_only_when_done() -> None:
     assert first.session._vocab is not third.session._vocab
     while first.active:
         assert [f.hypotheses[0].ids for f in first.step()] in ([], [alone[0]])
+
+
+def test_a_translators_batches_take_the_columns_over_instead_of_gathering_them_again() -> None:
+    model = make_model(seed=4)
+    gen = torch.Generator().manual_seed(1)
+    table = Shortlist.from_table(torch.randint(4, V, (V, 3), generator=gen), torch.tensor([0, 1, 2, 3]))
+    translator = Translator(model, tokenizer=None, shortlist=table)  # type: ignore[arg-type]  # ids only
+    opts = DecodingOptions(beam_size=3)
+    rows = [r[:-1] for r in sources(4, seed=6)]
+    alone = [decode(model, pad([[*r, 3]], 0), opts, table).hypotheses[0][0].ids for r in rows]
+    got = [translator.decode_ids([r], opts)[0][0].ids for r in rows]
+    vocab = translator._vocabulary
+    assert vocab is not None and vocab.remade == 1  # made once, by the first batch; cleared after each
+    assert got == alone
+    assert [h[0].ids for h in translator.decode_ids(rows, opts)] == alone and translator._vocabulary is vocab
+    holder = translator.open_session(opts)  # a session still decoding holds the columns
+    holder.admit([rows[0]], [0])
+    assert [h[0].ids for h in translator.decode_ids(rows[1:], opts)] == alone[1:]  # with columns of its own
+    assert holder.session._vocab is vocab and vocab.sentences and translator._vocabulary is vocab
