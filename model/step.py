@@ -135,7 +135,9 @@ class DecoderStep:
         cfg = model.config
         self.model = model
         self.heads, self.head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        # 1/sqrt(Dh) as a 0-d float32 tensor: a Python float in ``torch.mul`` is wrapped and
+        # converted on every call (6 calls a step); the same float32 value either way.
+        self.scale = torch.tensor(1.0 / math.sqrt(self.head_dim), dtype=torch.float32)
         self.norm_first = cfg.norm_first
         # The bound kernels skip autograd and autocast; anything else takes the modules' path.
         fast = uses_kernels(model.output_matrix().device)

@@ -116,6 +116,24 @@ def test_wx_computes_f_linear_into_a_contiguous_result(shape: tuple[int, ...], r
         kernels.wx(x.double(), weight, b)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 0, 300])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bound_aten_is_f_linear_to_the_bit(rows: int, relu: bool, bias: bool) -> None:
+    """The bound ``aten`` kernel calls ``addmm``/``mm`` itself (no ``F.linear`` dispatch): the same
+    numbers, bit for bit, and the same refusal of another dtype."""
+    torch.manual_seed(1)
+    weight, b = torch.randn(70, 48), torch.randn(70) if bias else None
+    x = torch.randn(rows, 48)
+    expected = F.linear(x, weight, b)
+    expected = F.relu(expected) if relu else expected
+    with torch.inference_mode():
+        bound = kernels.bind(kernels.aten, weight, b)
+        assert torch.equal(bound(x, relu), expected)
+        with pytest.raises(RuntimeError):
+            bound(x.double())
+
+
 def test_bf16_training_runs_only_where_the_cpu_has_native_bf16() -> None:
     assert kernels.bf16_autocast("cpu", AVX512_BF16) is None
     assert kernels.bf16_autocast("cpu", CpuFeatures(avx2=True, fma=True, avx_ne_convert=True)) is None
