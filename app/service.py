@@ -133,7 +133,7 @@ class LoadedModel:
         self.device = resolve_device(settings.device)
         self.precision = resolve_precision(settings.dtype, self.device.type)
         self.ckpt = checkpoint.load(path, self.device, self.precision)
-        self.shortlist = checkpoint.shortlist_for(self.ckpt, settings.shortlist)
+        self.shortlist = checkpoint.use_shortlist(self.ckpt, settings.shortlist)
         self.vocabulary = "full" if self.shortlist is None else "shortlist"
         self.path, self.meta, self.plan = path, self.ckpt.meta, self.ckpt.plan
         self.directions = checkpoint.directions(self.meta)

@@ -202,8 +202,8 @@ def batch_limit(src_lengths: Sequence[int], options: DecodingOptions, cap: int) 
 
 def setup_ours(ckpt: Checkpoint, batch_size: int, options: DecodingOptions, shortlist: bool = True) -> Translate:
     """Ours as the service runs it: with the checkpoint's shortlist where it has one (float
-    precisions: ``checkpoint.shortlist_for``), unless ``shortlist`` is False (``ours-full``)."""
-    short = checkpoint.shortlist_for(ckpt, shortlist)
+    precisions: ``checkpoint.use_shortlist``), unless ``shortlist`` is False (``ours-full``)."""
+    short = checkpoint.use_shortlist(ckpt, shortlist)
     translator = Translator(ckpt.model, ckpt.tokenizer, shortlist=short)
     cap = ckpt.config.max_tokens
 

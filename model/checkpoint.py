@@ -290,13 +290,35 @@ def load_shortlist(path: str | Path, vocab_size: int) -> Shortlist | None:
     return Shortlist(offsets, targets, always, per_source)
 
 
-def shortlist_for(ckpt: Checkpoint, wanted: bool = True) -> Shortlist | None:
-    """The shortlist decoding uses: the folder's, where ``wanted`` and it pays. int8 decodes the
-    whole vocabulary: its output projection (int8 rows on fbgemm) costs less than the shortlist's
-    float rows (docs/benchmarks.md "The lexical shortlist": 804 against 706 sentences/s greedy)."""
+def use_shortlist(ckpt: Checkpoint, wanted: bool = True) -> Shortlist | None:
+    """The shortlist decoding will use: the folder's, where ``wanted`` and it pays. int8 decodes
+    the whole vocabulary: its output projection (int8 rows on fbgemm) costs less than the
+    shortlist's float rows (docs/benchmarks.md "The lexical shortlist": 804 against 706
+    sentences/s greedy). Where one is returned, the output projection's packed copy goes
+    (``release_packed_output``): decoding scores the rows the shortlist gathers from the token
+    table, so the packed whole-vocabulary copy would be read by nothing but the rare teacher-forced
+    pass (``/attention``). Call before decoding with the model."""
     if not wanted or ckpt.plan.precision == "int8":
         return None
-    return load_shortlist(ckpt.path, ckpt.config.tgt_vocab_size)
+    found = load_shortlist(ckpt.path, ckpt.config.tgt_vocab_size)
+    if found is not None:
+        released = release_packed_output(ckpt.model)
+        if released:
+            log.info("%s: the shortlist reads the token table: released the %.1f MiB packed output projection",
+                     ckpt.path, released / 2**20)  # fmt: skip
+    return found
+
+
+def release_packed_output(model: Transformer) -> int:
+    """Undo the packing of ``release_output_projection`` where the float rows are still there
+    (tied embeddings): the whole-vocabulary projection then runs ``F.linear`` on the token table,
+    converted to the input's dtype per call (``kernels.upcast``: slower, for what seldom needs
+    it), and the packed copy (V x D x 4 bytes, 7.8 MiB for 8,000 x 256) is freed. -> bytes freed."""
+    packed = model.kernel
+    if not isinstance(packed, kernels.PackedOneDNN) or model.output_matrix().is_meta:
+        return 0
+    model.kernel = kernels.upcast
+    return packed.packed.numel() * packed.packed.element_size()
 
 
 def release_output_projection(model: Transformer) -> int:

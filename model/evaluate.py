@@ -166,10 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     if then is not None:  # the first leg; the second is scored (and timed from here) below
         first = checkpoint.decoding_options(ckpt.meta, args.beam_size, direction="-".join(pair))
-        leg = Translator(ckpt.model, ckpt.tokenizer, prefix, checkpoint.shortlist_for(ckpt, args.shortlist))
+        leg = Translator(ckpt.model, ckpt.tokenizer, prefix, checkpoint.use_shortlist(ckpt, args.shortlist))
         src, ckpt, prefix = translate_all(leg, src, first, args.batch_size), then, ()
         pair = checkpoint.directions(then.meta)[0]
-    short = checkpoint.shortlist_for(ckpt, args.shortlist)
+    short = checkpoint.use_shortlist(ckpt, args.shortlist)
     result = evaluate(
         Translator(ckpt.model, ckpt.tokenizer, prefix, short),
         src,

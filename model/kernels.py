@@ -282,6 +282,14 @@ def aten(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu:
     return out.relu_() if relu else out
 
 
+def upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
+    """``aten`` on a weight (and bias) kept in a narrower float dtype than ``x``, converted per
+    call: for a layer that seldom runs and whose rows are stored once for another reader (the
+    output projection when a shortlist gathers its rows from the float16 token table:
+    ``checkpoint.release_packed_output``)."""
+    return aten(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype), relu)
+
+
 def wx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
     """MKL's sgemm (``torch.mm``) as W·xᵀ, transposed back with the bias added in the same pass:
     x (..., in) -> (..., out), contiguous. The same product as ``F.linear``'s x·Wᵀ, but on this

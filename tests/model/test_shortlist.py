@@ -183,11 +183,13 @@ def test_write_shortlist_from_training_data_and_refuse_what_does_not_fit(
 
 
 def test_float_precisions_use_the_shortlist_and_int8_the_whole_vocabulary(shipped: Path) -> None:
-    assert checkpoint.shortlist_for(checkpoint.load(shipped)) is not None
-    assert checkpoint.shortlist_for(checkpoint.load(shipped), wanted=False) is None
+    assert checkpoint.use_shortlist(checkpoint.load(shipped)) is not None
+    whole = checkpoint.load(shipped)
+    assert checkpoint.use_shortlist(whole, wanted=False) is None
+    assert kernels.is_packed(whole.model.kernel) == (whole.plan.kernel == "onednn")  # kept for the whole vocabulary
     if not kernels.detected().avx2:
         pytest.skip("int8 needs AVX2")
-    assert checkpoint.shortlist_for(checkpoint.load(shipped, precision="int8")) is None
+    assert checkpoint.use_shortlist(checkpoint.load(shipped, precision="int8")) is None
 
 
 def test_a_translators_sessions_hand_the_columns_on_only_when_done() -> None:
@@ -236,3 +238,25 @@ def test_a_translators_batches_take_the_columns_over_instead_of_gathering_them_a
     holder.admit([rows[0]], [0])
     assert [h[0].ids for h in translator.decode_ids(rows[1:], opts)] == alone[1:]  # with columns of its own
     assert holder.session._vocab is vocab and vocab.sentences and translator._vocabulary is vocab
+
+
+def test_with_the_shortlist_the_packed_output_projection_goes_and_the_whole_one_still_runs(shipped: Path) -> None:
+    """``use_shortlist`` frees the packed whole-vocabulary projection (decoding reads the
+    shortlist's rows); the teacher-forced pass (``/attention``) projects from the token table
+    instead, to the same logits."""
+    packed, ckpt = checkpoint.load(shipped), checkpoint.load(shipped)
+    src, tgt = torch.tensor([[5, 80, 300, 3]]), torch.tensor([[2, 7, 90, 41]])
+    with torch.inference_mode():
+        before, _ = packed.model.attention_maps(src, tgt)
+        table = checkpoint.use_shortlist(ckpt)
+        after, _ = ckpt.model.attention_maps(src, tgt)
+    assert table is not None and not kernels.is_packed(ckpt.model.kernel)
+    assert ckpt.model.kernel is kernels.upcast or not kernels.is_packed(packed.model.kernel)
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    assert checkpoint.release_packed_output(ckpt.model) == 0  # nothing left to release
+    texts = ["Ein Mann fährt mit dem Fahrrad.", "Zwei Hunde spielen im Schnee."]
+    opts = checkpoint.decoding_options(ckpt.meta, 4)
+    expected = Translator(packed.model, packed.tokenizer, shortlist=table).translate(texts, opts)
+    assert [t.text for t in Translator(ckpt.model, ckpt.tokenizer, shortlist=table).translate(texts, opts)] == [
+        t.text for t in expected
+    ]
