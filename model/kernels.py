@@ -603,7 +603,7 @@ def bind(kernel: LinearKernel, weight: torch.Tensor, bias: torch.Tensor | None) 
 def _bound_aten(weight: torch.Tensor, bias: torch.Tensor | None) -> BoundLinear:
     """``aten`` for 2-d inputs, calling what ``F.linear`` calls (``addmm(bias, x, Wᵀ)``, or ``mm``
     without a bias) on a transposed view made once: the same numbers without ``F.linear``'s and
-    ``t``'s dispatch (18 calls a decoder step, ~2-3 µs each of a ~1 ms step at one row)."""
+    ``t``'s dispatch (18 calls a decoder step: ~1.2 µs a call, docs/benchmarks.md "Numbers behind the code")."""
     transposed = weight.t()
 
     if bias is None:
