@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-SPARE_SLOTS = 16  # positions a grown self-attention buffer has beyond what the reorder needs
+SPARE_SLOTS = 16  # positions a new beam-search buffer has beyond what its reorder needs
 FIRST_SLOTS = 16  # positions laid out at first; a full layout is spread to twice its slots
 
 
@@ -152,8 +152,10 @@ class SelfAttentionCache:
             self.capacity = capacity
         slots = new + room if room is not None else self._grown(new, new + 1)
         needed = n * self.heads * slots * self.head_dim
-        # a new buffer gets SPARE_SLOTS more, so beam search (one more slot per step) reallocates rarely
-        extra = n * self.heads * SPARE_SLOTS * self.head_dim
+        # Beam search compacts to one more slot every step (room 1): a new buffer gets SPARE_SLOTS
+        # more, so it reallocates rarely. A grown layout (greedy, sentences joining) has its room
+        # in its slots already: nothing more.
+        extra = n * self.heads * SPARE_SLOTS * self.head_dim if room == 1 else 0
         gathered = []
         for buffer, laid_out in ((self._k, self._k4), (self._v, self._v4)):
             into = self._spare.take(buffer, needed, extra)
