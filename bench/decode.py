@@ -35,7 +35,9 @@ and Marian (``generate``'s default ``early_stopping=False``) end a sentence once
 finished hypotheses outscore every live one, CTranslate2 once ``beam`` hypotheses have
 finished (alpha > 0) or the best one has (alpha = 0). With alpha = 0 the three gave the same
 tokens in the tests. torch runs with ``torch.set_num_threads(--threads)``, and every system's
-process with glibc malloc tuned by ``model.allocator.tune_malloc`` (as the service runs). Each system
+process with glibc malloc tuned by ``model.allocator.tune_malloc`` and oneDNN's primitive caches
+bounded by ``bound_onednn_cache`` (as the service runs; CTranslate2's oneDNN reads the same
+variable). Each system
 translates ``--warmup`` sentences, then times ``--repeat`` passes and reports the median
 (``runs_s`` lists them all); a pass covers tokenization, batching, decoding and
 detokenization (source strings to target strings). This machine's speed drifts by 10-20%
@@ -87,7 +89,7 @@ import torch
 from bench import naive
 from bench.stats import median, median_row
 from model import checkpoint, kernels
-from model.allocator import tune_malloc
+from model.allocator import bound_onednn_cache, tune_malloc
 from model.checkpoint import Checkpoint
 from model.data import MULTI30K_DIR, pad, read_lines, token_batches
 from model.decoding import DecodingOptions, max_steps
@@ -466,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
     n = args.limit or len(src)
     torch.set_num_threads(args.threads)
     tune_malloc()  # every system, so all run under the same allocator settings
+    bound_onednn_cache()  # and oneDNN's caches bounded as the service bounds them (CTranslate2's oneDNN too)
     for system in systems:
         batched = SYSTEMS[system].batched
         k = n if batched else min(n, args.naive_limit)
