@@ -41,8 +41,11 @@ from urllib.parse import urlsplit
 
 from bench.server import ROOT, running_server
 from bench.stats import median, median_row, percentile
+from model import checkpoint
 from model.data import MULTI30K_DIR, read_lines
 from model.progress import progress
+
+SOURCE, TARGET = "de", "en"  # every request: a test_2016 German sentence to English
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +139,7 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
         connection = Connection(url)
         try:
             for i in counter:
-                body = {"q": sentences[i % len(sentences)], "source": "de", "target": "en", "beam_size": beam}
+                body = {"q": sentences[i % len(sentences)], "source": SOURCE, "target": TARGET, "beam_size": beam}
                 start = time.perf_counter()
                 try:
                     status, reply = await connection.post_json("/translate", body)
@@ -191,11 +194,24 @@ def server(
         yield url
 
 
+def served_folder(weights: Path, source: str, target: str) -> Path:
+    """The checkpoint folder the server answers ``source``→``target`` from (the service's own
+    rule, ``app.service.assign_directions``); a one-direction model, since ``bench.decode``
+    decodes without a many-to-many model's target tag."""
+    from app.service import assign_directions  # the rule the server applies
+
+    folders = [p for p in sorted(weights.iterdir()) if (p / "config.json").is_file()]
+    serving = [p for p, pairs in assign_directions(folders).items() if pairs and (source, target) in pairs]
+    if not serving or len(checkpoint.directions(checkpoint.read_meta(serving[0]))) != 1:
+        raise SystemExit(f"--offline: no one-direction model in {weights} serves {source}-{target}")
+    return serving[0]
+
+
 def offline_throughput(weights: Path, data: Path, sentences: int, beam: int, threads: int) -> float:
     """Sentences/s of the served model decoding the requests' sentences offline, in sorted
     batches of 64 (``bench.decode``'s ``ours`` in a process of its own, the server's
     ``TRANSLATOR_DTYPE`` as its precision)."""
-    folder = next(p for p in sorted(weights.iterdir()) if (p / "config.json").is_file())
+    folder = served_folder(weights, SOURCE, TARGET)
     dtype = os.environ.get("TRANSLATOR_DTYPE", "float32").replace("auto", "float32")
     cmd = [sys.executable, "-m", "bench.decode", "--systems", "ours", "--no-isolate", "--weights", str(folder)]
     cmd += ["--beam-size", str(beam), "--limit", str(sentences), "--threads", str(threads), "--dtype", dtype]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.load import Connection, server_timing
+from bench.load import Connection, served_folder, server_timing
 from bench.plot import decode_figure, plot, plot_decode, plot_serving, read_rows
 from bench.plot import main as plot_main
 from bench.stats import percentile
@@ -27,6 +27,17 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile(values, 95) == 95.0
     assert percentile(values, 99) == 99.0
     assert percentile([7.0], 99) == 7.0
+
+
+def test_offline_decodes_with_the_model_that_serves_the_requests() -> None:
+    """``--offline`` times the checkpoint the server answers de→en from, whatever folder sorts
+    first (cs-en in the shipped weights, which it once took), and refuses a direction only a
+    many-to-many model serves (``bench.decode`` gives no target tag: cs-en is one)."""
+    assert served_folder(ROOT / "weights", "de", "en") == ROOT / "weights" / "de-en"
+    assert served_folder(ROOT / "weights", "fr", "en") == ROOT / "weights" / "fr-en"
+    for source, target in (("cs", "en"), ("cs", "fr")):
+        with pytest.raises(SystemExit, match=f"{source}-{target}"):
+            served_folder(ROOT / "weights", source, target)
 
 
 def test_server_timing_header_parses() -> None:
