@@ -294,31 +294,54 @@ def use_shortlist(ckpt: Checkpoint, wanted: bool = True) -> Shortlist | None:
     """The shortlist decoding will use: the folder's, where ``wanted`` and it pays. int8 decodes
     the whole vocabulary: its output projection (int8 rows on fbgemm) costs less than the
     shortlist's float rows (docs/benchmarks.md "The lexical shortlist": 804 against 706
-    sentences/s greedy). Where one is returned, the output projection's packed copy goes
-    (``release_packed_output``): decoding scores the rows the shortlist gathers from the token
-    table, so the packed whole-vocabulary copy would be read by nothing but the rare teacher-forced
-    pass (``/attention``). Call before decoding with the model."""
+    sentences/s greedy). Where one is returned, the whole-vocabulary projection leaves the
+    decoding path (``shortlist_output``): decoding scores the rows the shortlist gathers from
+    the token table, and only the rare teacher-forced pass (``/attention``) projects onto every
+    piece. Call before decoding with the model."""
     if not wanted or ckpt.plan.precision == "int8":
         return None
     found = load_shortlist(ckpt.path, ckpt.config.tgt_vocab_size)
     if found is not None:
-        released = release_packed_output(ckpt.model)
+        released = shortlist_output(ckpt.model)
         if released:
-            log.info("%s: the shortlist reads the token table: released the %.1f MiB packed output projection",
+            log.info("%s: the shortlist reads the token table: %.1f MiB of output projection released",
                      ckpt.path, released / 2**20)  # fmt: skip
     return found
 
 
-def release_packed_output(model: Transformer) -> int:
-    """Undo the packing of ``release_output_projection`` where the float rows are still there
-    (tied embeddings): the whole-vocabulary projection then runs ``F.linear`` on the token table,
-    converted to the input's dtype per call (``kernels.upcast``: slower, for what seldom needs
-    it), and the packed copy (V x D x 4 bytes, 7.8 MiB for 8,000 x 256) is freed. -> bytes freed."""
-    packed = model.kernel
-    if not isinstance(packed, kernels.PackedOneDNN) or model.output_matrix().is_meta:
+def shortlist_output(model: Transformer) -> int:
+    """For decoding through a shortlist, a float32 CPU model with tied embeddings keeps its
+    output projection once, as the token table the lookups and the shortlist's gathered rows
+    read: a packed copy (``release_output_projection``) is freed, the table is stored in
+    float16 where that holds every value exactly, and the whole-vocabulary projection converts
+    it per call (``kernels.upcast``: slower, for what seldom needs it). Untied models and other
+    precisions are left as they are. -> bytes freed (7.8 MiB packed, 3.9 MiB of table, for
+    8,000 x 256)."""
+    kernel, table = model.kernel, model.output_matrix()
+    if model.output is not None or table.is_meta or table.device.type != "cpu":
+        return 0
+    if isinstance(kernel, kernels.PackedOneDNN):  # its table is float16 already, where exact
+        freed = kernel.packed.numel() * kernel.packed.element_size()
+    elif kernel is kernels.aten and table.dtype == torch.float32:
+        freed = _half_token_tables(model)
+    else:
         return 0
     model.kernel = kernels.upcast
-    return packed.packed.numel() * packed.packed.element_size()
+    return freed
+
+
+def _half_token_tables(model: Transformer) -> int:
+    """Keep the token tables in float16 where that holds every value exactly (weights shipped in
+    float16 do); the lookups upcast the rows they read: the same numbers in half the memory.
+    -> bytes released."""
+    released = 0
+    for tokens in {id(e.tokens): e.tokens for e in (model.src_embed, model.tgt_embed)}.values():
+        table = tokens.weight
+        if table.dtype != torch.float32 or not torch.equal(table.half().float(), table):
+            continue
+        released += table.numel() * (table.element_size() - 2)
+        tokens.weight = nn.Parameter(table.detach().half(), requires_grad=False)
+    return released
 
 
 def release_output_projection(model: Transformer) -> int:
@@ -338,13 +361,7 @@ def release_output_projection(model: Transformer) -> int:
     if model.output is not None:  # untied: the packed copy is its only reader
         released += out.numel() * out.element_size()
         model.output.weight = nn.Parameter(torch.empty_like(out, device="meta"), requires_grad=False)
-    for tokens in {id(e.tokens): e.tokens for e in (model.src_embed, model.tgt_embed)}.values():
-        table = tokens.weight
-        if table.dtype != torch.float32 or not torch.equal(table.half().float(), table):
-            continue
-        released += table.numel() * (table.element_size() - 2)
-        tokens.weight = nn.Parameter(table.detach().half(), requires_grad=False)
-    return released
+    return released + _half_token_tables(model)
 
 
 def load_weights(model: Transformer, path: Path) -> None:

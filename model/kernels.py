@@ -206,17 +206,17 @@ def choose(
             )
         return KernelPlan("cpu", "int8", torch.float32, "fbgemm-int8", f.isa, reduce_range=not f.avx512_vnni)
     if precision == "float32":
-        # the decoder step's layers: on Intel CPUs MKL's sgemm behind ``F.linear`` (faster than
-        # oneDNN and ``wx`` at every batch shape measured, natively and capped to AVX2:
-        # docs/benchmarks.md "The decoder step's layers on an Intel CPU"); elsewhere ``wx`` where
-        # measured as fast as oneDNN in less memory (AVX2 without AVX-512: "The decoder step's
-        # layers through MKL"); other AVX-512 CPUs keep oneDNN, which is what was measured there
-        step: KernelName | None = None
-        if onednn and f.intel:
-            step = "aten"
-        elif onednn and not f.avx512:
-            step = "wx"
-        return KernelPlan("cpu", "float32", torch.float32, "onednn" if onednn else "aten", f.isa, step_kernel=step)
+        # On Intel CPUs every layer runs MKL's sgemm behind ``F.linear``: faster than oneDNN and
+        # ``wx`` for the decoder step's layers at every batch shape measured, and for the encoder's
+        # at 1-64 sentences, natively and capped to AVX2, with no oneDNN primitives kept
+        # (docs/benchmarks.md "The decoder step's layers on an Intel CPU", "Every float32 layer on
+        # MKL"). Elsewhere oneDNN, its decoder step's layers on ``wx`` where measured as fast in
+        # less memory (AVX2 without AVX-512: "The decoder step's layers through MKL"); other
+        # AVX-512 CPUs keep oneDNN throughout, which is what was measured there.
+        if not onednn or f.intel:
+            return KernelPlan("cpu", "float32", torch.float32, "aten", f.isa)
+        step: KernelName | None = None if f.avx512 else "wx"
+        return KernelPlan("cpu", "float32", torch.float32, "onednn", f.isa, step_kernel=step)
     if precision == "bfloat16":
         if onednn and (f.avx512 or f.avx_ne_convert):
             slow = None if f.avx512_bf16 or f.avx_ne_convert else "bfloat16 is emulated on this CPU (no AVX512_BF16)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -43,11 +44,16 @@ def tiny_config(vocab: int, **overrides: object) -> ModelConfig:
     return ModelConfig(**base)  # type: ignore[arg-type]
 
 
+# This CPU as if it were not Intel's: float32 runs oneDNN (packed) wherever it can, so the packed
+# paths are tested on Intel CPUs too, where the plan gives every float32 layer to MKL.
+PACKED_FEATURES = replace(kernels.detected(), intel=False)
+
+
 def packed_plan(precision: str) -> KernelPlan:
-    """This CPU's kernel plan for ``precision``; the test is skipped where it cannot run or
-    runs ``F.linear`` (nothing packed, nothing released)."""
+    """This CPU's kernel plan for ``precision`` (float32: as ``PACKED_FEATURES``); the test is
+    skipped where it cannot run or runs ``F.linear`` (nothing packed, nothing released)."""
     try:
-        plan = kernels.choose("cpu", precision)
+        plan = kernels.choose("cpu", precision, PACKED_FEATURES)
     except UnsupportedPrecision:
         pytest.skip(f"{precision} does not run on this CPU")
     if plan.kernel == "aten":

@@ -15,7 +15,7 @@ from model.decoding import DecodingOptions
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from model.translator import Translator
-from tests.factories import packed_plan, tiny_config
+from tests.factories import PACKED_FEATURES, packed_plan, tiny_config
 
 SENTENCES = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee auf einer Wiese."]
 
@@ -47,7 +47,7 @@ def test_round_trip_gives_identical_outputs(tmp_path: Path, tiny_tokenizer: Toke
 def test_a_model_loaded_for_inference_is_not_saved_half_released(tmp_path: Path, tiny_weights_dir: Path) -> None:
     """Where the layers' float weights were released at load, saving says so and how to keep
     them, instead of writing a checkpoint without them."""
-    ckpt = checkpoint.load(tiny_weights_dir / "de-en")
+    ckpt = checkpoint.load(tiny_weights_dir / "de-en", features=PACKED_FEATURES)
     if not any(p.is_meta for p in ckpt.model.parameters()):
         pytest.skip(f"{ckpt.plan.describe()}: nothing released on this CPU")
     with pytest.raises(CheckpointError, match="keep_float_weights=True"):
@@ -87,8 +87,8 @@ def test_inference_reads_the_embeddings_once_and_in_float16_where_exact(
     torch.manual_seed(3)
     model = Transformer(tiny_config(tiny_tokenizer.vocab_size, share_embeddings=tied)).eval()
     checkpoint.save(tmp_path / "c", model, tiny_tokenizer, {"source_lang": "de", "target_lang": "en"}, dtype=stored)
-    full = checkpoint.load(tmp_path / "c", precision=precision, keep_float_weights=True).model
-    lean = checkpoint.load(tmp_path / "c", precision=precision).model
+    full = checkpoint.load(tmp_path / "c", precision=precision, features=PACKED_FEATURES, keep_float_weights=True).model
+    lean = checkpoint.load(tmp_path / "c", precision=precision, features=PACKED_FEATURES).model
 
     assert kernels.is_packed(lean.kernel)
     assert (lean.output is None) == tied and (tied or lean.output_matrix().is_meta)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from model import checkpoint, kernels
 from model.kernels import AVX2_ONLY, AVX512_BF16, BASELINE, CpuFeatures, UnsupportedPrecision
 from model.linear import Linear, linear
-from tests.factories import assert_steps_match, packed_plan
+from tests.factories import PACKED_FEATURES, assert_steps_match, packed_plan
 
 HERE = kernels.detected()
 SIMULATED = {"avx512-bf16": AVX512_BF16, "avx512-no-bf16": CpuFeatures(True, True, True), "avx2": AVX2_ONLY,
@@ -51,6 +51,8 @@ def test_features_come_from_cpuinfo_flags_and_respect_isa_caps(tmp_path: Path) -
         ("avx512-bf16", "float32", "onednn", False),
         ("avx2", "float32", "onednn", False),
         ("baseline", "float32", "aten", False),
+        ("intel-avx512-bf16", "float32", "aten", False),  # MKL for every layer on Intel CPUs
+        ("intel-avx2", "float32", "aten", False),
         ("avx512-bf16", "bfloat16", "onednn", False),
         ("avx512-no-bf16", "bfloat16", "onednn", True),  # emulated by oneDNN: works, logged
         ("avx2", "bfloat16", "aten", True),  # torch's oneDNN bf16 reorder would raise here
@@ -202,7 +204,7 @@ def test_float_kernels_match_f_linear(cpu: str, precision: str, shape: tuple[int
 def test_a_released_float32_layer_matches_f_linear(shape: tuple[int, ...], relu: bool, bias: bool) -> None:
     """Once its float weight is released, a float32 oneDNN layer (``PackedOneDNN``) computes
     F.linear at every row count, one row included, bound or not, and refuses another dtype."""
-    plan = kernels.choose("cpu", "float32")
+    plan = kernels.choose("cpu", "float32", PACKED_FEATURES)
     if plan.kernel != "onednn":
         pytest.skip(f"float32 runs {plan.kernel} on this CPU: nothing is packed, nothing released")
     torch.manual_seed(0)
@@ -264,7 +266,7 @@ def test_more_rows_than_onednn_takes_run_in_chunks_of_known_shapes(monkeypatch: 
     ONEDNN_MAX_ROWS rows and one bucket for the rest, bound or not, released or not: oneDNN only
     ever sees bucket sizes up to the limit (so those varying shapes build no new primitive), and
     the result is F.linear's."""
-    plan = kernels.choose("cpu", "float32")
+    plan = kernels.choose("cpu", "float32", PACKED_FEATURES)
     if plan.kernel != "onednn":
         pytest.skip(f"float32 runs {plan.kernel} on this CPU, not oneDNN")
     torch.manual_seed(0)
@@ -297,41 +299,45 @@ def test_more_rows_than_onednn_takes_run_in_chunks_of_known_shapes(monkeypatch: 
         assert layer(torch.randn(0, 48)).shape == (0, 70)
 
 
-@pytest.mark.parametrize("cpu", ["here", "avx2", "intel"])
+@pytest.mark.parametrize("cpu", ["not-intel", "avx2", "intel"])
 def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(tiny_weights_dir: Path, cpu: str) -> None:
     """Where float32 runs on oneDNN, a loaded checkpoint's linear layers keep one copy of their
     weights: the packed copy only (float weights released, biases and the embeddings the output
     projection shares kept), except the decoder step's layers where they run ``wx``, which keep
-    their float weights and no packed copy (so do those on ``aten``, Intel's); and translate as the
-    same model with its float weights; ``keep_float_weights`` keeps them. On this CPU, on a
-    simulated AVX2 one and on this one said to be Intel's."""
+    their float weights and no packed copy; on Intel CPUs every layer runs ``aten`` on its float
+    weights, nothing packed. Each translates as the same model with its float weights;
+    ``keep_float_weights`` keeps them. On this CPU said not to be Intel's, on a simulated AVX2
+    one and on this one said to be Intel's."""
     from model.decoding import DecodingOptions
     from model.translator import Translator
 
     folder = tiny_weights_dir / "de-en"
-    features = {"here": HERE, "avx2": AVX2_ONLY & HERE, "intel": replace(HERE, intel=True)}[cpu]
-    ckpt = checkpoint.load(folder, "cpu", "float32", features)
-    kept = checkpoint.load(folder, "cpu", "float32", features, keep_float_weights=True)
+    features = {"not-intel": replace(HERE, intel=False), "avx2": AVX2_ONLY & HERE, "intel": replace(HERE, intel=True)}
+    ckpt = checkpoint.load(folder, "cpu", "float32", features[cpu])
+    kept = checkpoint.load(folder, "cpu", "float32", features[cpu], keep_float_weights=True)
     layers = [m for m in ckpt.model.modules() if isinstance(m, Linear)]
     assert not any(p.is_meta for p in kept.model.parameters())
-    if ckpt.plan.kernel != "onednn":
+    if ckpt.plan.kernel != "onednn":  # Intel's, or no oneDNN: nothing packed, nothing released
+        assert ckpt.plan.kernel == "aten" and ckpt.plan.step == "aten"
+        assert features[cpu].intel or not torch.backends.mkldnn.is_available()
         assert not any(p.is_meta for p in ckpt.model.parameters())
-        pytest.skip(f"float32 runs {ckpt.plan.kernel} on this CPU: nothing is packed, nothing released")
-    step = ckpt.model.step_linears()
-    assert len(step) == 6 * ckpt.model.config.decoder_layers
-    expected = "aten" if features.intel else "wx" if not features.avx512 else "onednn"
-    assert ckpt.plan.step == expected
-    on_mkl = step if expected != "onednn" else []
-    step_kernel = kernels.wx if expected == "wx" else kernels.aten
-    packed = [m for m in layers if all(m is not w for w in on_mkl)]
-    assert packed and all(isinstance(m.kernel, kernels.PackedOneDNN) and m.weight.is_meta for m in packed)
-    assert all(m.kernel is step_kernel and not m.weight.is_meta for m in on_mkl)
-    assert not on_mkl or all(m.kernel is step_kernel for m in kept.model.step_linears())
-    assert not any(m.bias.is_meta for m in layers) and not ckpt.model.output_matrix().is_meta
-    packed_bytes = sum(m.weight.numel() * 4 for m in packed)
-    float_bytes = sum(p.numel() * p.element_size() for p in ckpt.model.parameters() if not p.is_meta)
-    kept_bytes = sum(p.numel() * p.element_size() for p in kept.model.parameters())
-    assert float_bytes <= kept_bytes - packed_bytes  # the packed layers' float copies are gone
+        assert all(m.kernel is kernels.aten for m in layers) and ckpt.model.kernel is kernels.aten
+        packed: list[Linear] = []
+    else:
+        step = ckpt.model.step_linears()
+        assert len(step) == 6 * ckpt.model.config.decoder_layers
+        expected = "wx" if not features[cpu].avx512 else "onednn"
+        assert ckpt.plan.step == expected
+        on_mkl = step if expected != "onednn" else []
+        packed = [m for m in layers if all(m is not w for w in on_mkl)]
+        assert packed and all(isinstance(m.kernel, kernels.PackedOneDNN) and m.weight.is_meta for m in packed)
+        assert all(m.kernel is kernels.wx and not m.weight.is_meta for m in on_mkl)
+        assert not on_mkl or all(m.kernel is kernels.wx for m in kept.model.step_linears())
+        assert not any(m.bias.is_meta for m in layers) and not ckpt.model.output_matrix().is_meta
+        packed_bytes = sum(m.weight.numel() * 4 for m in packed)
+        float_bytes = sum(p.numel() * p.element_size() for p in ckpt.model.parameters() if not p.is_meta)
+        kept_bytes = sum(p.numel() * p.element_size() for p in kept.model.parameters())
+        assert float_bytes <= kept_bytes - packed_bytes  # the packed layers' float copies are gone
     texts = ["ein Hund läuft", "zwei Männer spielen Fußball im Park", "x"]
     ids = ckpt.tokenizer.encode(texts)
     for beam in (1, 3):
@@ -339,8 +345,9 @@ def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(tin
         ours = Translator(ckpt.model, ckpt.tokenizer).decode_ids(ids, options)
         reference = Translator(kept.model, kept.tokenizer).decode_ids(ids, options)
         assert [[h.ids for h in hyps] for hyps in ours] == [[h.ids for h in hyps] for hyps in reference]
-    with pytest.raises(RuntimeError, match="released for inference"):
-        packed[0](torch.randn(2, packed[0].in_features))  # gradients enabled: not the kernel's path
+    if packed:
+        with pytest.raises(RuntimeError, match="released for inference"):
+            packed[0](torch.randn(2, packed[0].in_features))  # gradients enabled: not the kernel's path
 
 
 @pytest.mark.parametrize("step", ["wx", "aten"])

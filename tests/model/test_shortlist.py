@@ -241,19 +241,20 @@ def test_a_translators_batches_take_the_columns_over_instead_of_gathering_them_a
 
 
 def test_with_the_shortlist_the_packed_output_projection_goes_and_the_whole_one_still_runs(shipped: Path) -> None:
-    """``use_shortlist`` frees the packed whole-vocabulary projection (decoding reads the
-    shortlist's rows); the teacher-forced pass (``/attention``) projects from the token table
-    instead, to the same logits."""
+    """``use_shortlist`` takes the whole-vocabulary projection off the decoding path (decoding
+    reads the shortlist's rows): its packed copy freed where there was one, the token table kept
+    in float16; the teacher-forced pass (``/attention``) projects from that table, to the same
+    logits."""
     packed, ckpt = checkpoint.load(shipped), checkpoint.load(shipped)
     src, tgt = torch.tensor([[5, 80, 300, 3]]), torch.tensor([[2, 7, 90, 41]])
     with torch.inference_mode():
         before, _ = packed.model.attention_maps(src, tgt)
         table = checkpoint.use_shortlist(ckpt)
         after, _ = ckpt.model.attention_maps(src, tgt)
-    assert table is not None and not kernels.is_packed(ckpt.model.kernel)
-    assert ckpt.model.kernel is kernels.upcast or not kernels.is_packed(packed.model.kernel)
+    assert table is not None and ckpt.model.kernel is kernels.upcast
+    assert ckpt.model.output_matrix().dtype == torch.float16  # shipped in float16: the table is exact
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
-    assert checkpoint.release_packed_output(ckpt.model) == 0  # nothing left to release
+    assert checkpoint.shortlist_output(ckpt.model) == 0  # nothing left to release
     texts = ["Ein Mann fährt mit dem Fahrrad.", "Zwei Hunde spielen im Schnee."]
     opts = checkpoint.decoding_options(ckpt.meta, 4)
     expected = Translator(packed.model, packed.tokenizer, shortlist=table).translate(texts, opts)
