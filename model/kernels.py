@@ -286,7 +286,7 @@ def upcast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rel
     """``aten`` on a weight (and bias) kept in a narrower float dtype than ``x``, converted per
     call: for a layer that seldom runs and whose rows are stored once for another reader (the
     output projection when a shortlist gathers its rows from the float16 token table:
-    ``checkpoint.release_packed_output``)."""
+    ``checkpoint.shortlist_output``)."""
     return aten(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype), relu)
 
 

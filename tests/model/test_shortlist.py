@@ -14,6 +14,7 @@ from model import checkpoint, kernels
 from model.data import pad, read_lines
 from model.decoding import DecodeSession, DecodingOptions, decode
 from model.shortlist import Shortlist, Vocabulary, build
+from model.transformer import Transformer
 from model.translator import Translator
 from tests.factories import V, make_model
 
@@ -192,11 +193,17 @@ def test_float_precisions_use_the_shortlist_and_int8_the_whole_vocabulary(shippe
     assert checkpoint.use_shortlist(checkpoint.load(shipped, precision="int8")) is None
 
 
-def test_a_translators_sessions_hand_the_columns_on_only_when_done() -> None:
+def narrow_translator(seed: int) -> tuple[Transformer, Shortlist, Translator]:
+    """A small model, a random shortlist of 3 targets a piece (the specials always), and a
+    translator of ids (no tokenizer) that decodes through it."""
     model = make_model(seed=4)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     table = Shortlist.from_table(torch.randint(4, V, (V, 3), generator=gen), torch.tensor([0, 1, 2, 3]))
-    translator = Translator(model, tokenizer=None, shortlist=table)  # type: ignore[arg-type]  # ids only
+    return model, table, Translator(model, tokenizer=None, shortlist=table)  # type: ignore[arg-type]
+
+
+def test_a_translators_sessions_hand_the_columns_on_only_when_done() -> None:
+    model, table, translator = narrow_translator(seed=0)
     opts = DecodingOptions(beam_size=2)
     rows = sources(3, seed=5)
     alone = [decode(model, pad([r], 0), opts, table).hypotheses[0][0].ids for r in rows]
@@ -222,10 +229,7 @@ def test_a_translators_sessions_hand_the_columns_on_only_when_done() -> None:
 
 
 def test_a_translators_batches_take_the_columns_over_instead_of_gathering_them_again() -> None:
-    model = make_model(seed=4)
-    gen = torch.Generator().manual_seed(1)
-    table = Shortlist.from_table(torch.randint(4, V, (V, 3), generator=gen), torch.tensor([0, 1, 2, 3]))
-    translator = Translator(model, tokenizer=None, shortlist=table)  # type: ignore[arg-type]  # ids only
+    model, table, translator = narrow_translator(seed=1)
     opts = DecodingOptions(beam_size=3)
     rows = [r[:-1] for r in sources(4, seed=6)]
     alone = [decode(model, pad([[*r, 3]], 0), opts, table).hypotheses[0][0].ids for r in rows]
