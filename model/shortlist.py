@@ -181,13 +181,12 @@ class Vocabulary:
         """A live session holds it with sentences being decoded (so it cannot be handed on)."""
         return self.owner() is not None and bool(self.sentences)
 
-    @torch.inference_mode()
     def claim(self, session: object) -> None:
-        """A new session takes it over, empty (a model's sessions come one after another: the
+        """A new session takes it over (a model's sessions come one after another: the
         always-candidates' rows are gathered once, not by every session on freshly trimmed
-        memory); the session that had it must make its own from then on (``owner``)."""
+        memory) and empties it (``clear``) as it starts; the session that had it must make its
+        own from then on (``owner``)."""
         self.owner = weakref.ref(session)
-        self.clear()
 
     @torch.inference_mode()
     def clear(self) -> None:
