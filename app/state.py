@@ -23,7 +23,7 @@ from app.ratelimit import RateLimiter
 from app.service import LoadedModel, TranslationService, assign_directions, discover, kernel_plan
 from app.settings import Settings
 from app.suggestions import SuggestionStore
-from model.allocator import bound_onednn_cache, tune_malloc
+from model.allocator import bound_onednn_cache, mkl_buffer_pool, tune_malloc
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,12 @@ class AppState:
                 torch.set_num_threads(self.settings.threads)
             tune_malloc()
             bound_onednn_cache()
+            pool = mkl_buffer_pool()
+            if pool is not None and pool[0]:
+                log.warning(
+                    "MKL's buffer pool is on (torch was loaded before the model package), so GEMM "
+                    "scratch buffers stay resident for good; set MKL_DISABLE_FAST_MM=1 to turn it off"
+                )
             paths = discover(self.settings.weights_dir, self.settings.load_only)
             for path, pairs in assign_directions(paths, self.settings.load_only).items():
                 loaded = self.model_thread.run(

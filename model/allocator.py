@@ -69,3 +69,37 @@ def bound_onednn_cache(capacity: int = ONEDNN_PRIMITIVE_CACHE, descriptors: int 
     capacity in force."""
     os.environ.setdefault("LRU_CACHE_CAPACITY", str(descriptors))
     return int(os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity)))
+
+
+# MKL (torch's BLAS on x86: every float32 layer on Intel CPUs, kernels.choose) has a memory
+# manager of its own, "fast MM", that keeps every scratch buffer its GEMMs allocate for reuse and
+# never returns them. Batches of varied shapes grow that pool: after one bench.decode pass over
+# test_2016 in batches of 64 it held 26 MiB that no tensor used (glibc's mallinfo2 against every
+# live tensor's storage), a third of the batch's working memory. With it off MKL allocates
+# through malloc, whose tuned heap (above) reuses the blocks: bench.decode's peak fell 12-15 MiB
+# at no measurable speed cost (docs/benchmarks.md "Numbers behind the code"). MKL reads the
+# variable once, while torch is being imported, so ``model/__init__.py`` sets it before anything
+# imports torch (app and bench import ``model`` first for that reason).
+MKL_FAST_MM = "MKL_DISABLE_FAST_MM"
+
+
+def disable_mkl_buffer_pool() -> None:
+    """Turn MKL's buffer pool off for this process unless ``MKL_DISABLE_FAST_MM`` is set
+    already; takes effect only before torch is imported."""
+    os.environ.setdefault(MKL_FAST_MM, "1")
+
+
+def mkl_buffer_pool() -> tuple[bool, int] | None:
+    """(whether MKL's buffer pool is on, bytes it holds now) from the MKL that torch links, or
+    None where torch has no MKL (ARM builds, macOS) or does not export its service calls."""
+    import torch  # only here: this module is imported before torch on purpose
+
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        status, stat = lib.mkl_serv_get_fast_mm_status, lib.mkl_serv_mem_stat
+    except (OSError, AttributeError):
+        return None
+    stat.restype = ctypes.c_int64
+    buffers = ctypes.c_int(0)
+    held = int(stat(ctypes.byref(buffers)))
+    return status() == 0, held

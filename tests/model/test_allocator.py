@@ -154,3 +154,47 @@ def test_the_caches_of_onednn_shapes_are_bounded_in_a_model_thread() -> None:
     # AMD EPYC Zen 3 (AVX2): ~92 MiB unbounded, ~28 MiB bounded (64 primitives and 64 descriptors)
     assert unbounded > 50, (unbounded, bounded)
     assert bounded < unbounded / 2, (unbounded, bounded)
+
+
+# A fresh interpreter: MKL reads MKL_DISABLE_FAST_MM while torch is imported. GEMMs of 40 shapes,
+# as batches of varied lengths give the encoder and the decoder; then MKL's own pool is read.
+_MKL_POOL_PROBE = """
+import sys
+first = sys.argv[1]
+if first == "torch":
+    import torch
+import {package}
+import torch
+from model.allocator import mkl_buffer_pool
+
+weight = torch.randn(1024, 256)
+for rows in range(8, 2568, 64):
+    torch.nn.functional.linear(torch.randn(rows, 256), weight)
+print(mkl_buffer_pool())
+"""
+
+
+@pytest.mark.parametrize("package", ["model", "app.main", "bench.decode"])
+def test_mkl_keeps_no_buffer_pool_in_a_process_that_imports_the_project_first(package: str) -> None:
+    """Every entry point (the service, model.*, bench.*) imports the ``model`` package before
+    torch, which turns MKL's buffer pool off; imported after torch, it is on and keeps its
+    GEMMs' scratch buffers resident (the contrast shows the probe can tell)."""
+    import ast
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("torch links MKL on x86 only")
+    env = {k: v for k, v in os.environ.items() if k != "MKL_DISABLE_FAST_MM"}
+    code = _MKL_POOL_PROBE.format(package=package)
+
+    def probe(first: str) -> str:
+        run = subprocess.run([sys.executable, "-c", code, first], env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return run.stdout.strip().splitlines()[-1]
+
+    assert probe("project") == "(False, 0)"
+    on, held = ast.literal_eval(probe("torch"))
+    assert on and held > 2**20, (on, held)
