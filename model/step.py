@@ -237,6 +237,16 @@ class _EncoderLayer:
         )  # fmt: skip
 
 
+# The encoder's activations grow with the batch (the feed-forward layer's alone are B x S x 4D
+# floats, and int8's fbgemm linear allocates an int32 accumulator as large beside its output):
+# 64 sentences of 42 pieces made ~27 MiB of them, and the heap holes they left grew the process
+# at every longer batch. Groups of at most this many padded positions bound them: bench.decode's
+# batch-64 peak int8 greedy 137 -> 114 MiB (median of 5), beam 4 162 -> 153, float32 2-3 MiB less,
+# speed within the noise; the encoder alone 2% (float32) / 5% (int8) slower at 1,024, 7% / 13% at
+# 512 (docs/benchmarks.md "MKL's buffer pool, and where the rest of batch memory goes").
+ENCODER_CHUNK_TOKENS = 1024
+
+
 class EncoderPass:
     """A model's encoder at inference, weights bound to their kernels once: the same math as
     ``Transformer.encode`` (the same attention function, so the same numbers), without the
@@ -256,8 +266,24 @@ class EncoderPass:
         self.final_norm = None if model.encoder_norm is None else _Norm.of(model.encoder_norm)
 
     def __call__(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """src: (B, S) ids -> memory (B, S, D), source mask (B, 1, 1, S)."""
+        """src: (B, S) ids -> memory (B, S, D), source mask (B, 1, 1, S). Sentences go through
+        the layers in groups of at most ``ENCODER_CHUNK_TOKENS`` padded positions (at least one
+        sentence), each group's output written into the batch's memory."""
         mask = padding_mask(src, self.pad_id)
+        b, s = src.shape
+        per = max(1, ENCODER_CHUNK_TOKENS // max(s, 1))
+        if b <= per:
+            return self._encode(src, mask), mask
+        first = self._encode(src[:per], mask[:per])
+        memory = first.new_empty(b, s, first.shape[-1])
+        memory[:per] = first
+        del first
+        for start in range(per, b, per):
+            memory[start : start + per] = self._encode(src[start : start + per], mask[start : start + per])
+        return memory, mask
+
+    def _encode(self, src: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """src: (B, S) ids, mask (B, 1, 1, S) -> memory (B, S, D), all sentences at once."""
         x = self.model.src_embed(src)  # (B, S, D)
         b, s, d = x.shape
         h = self.heads
@@ -272,4 +298,4 @@ class EncoderPass:
             x = _residual(x, layer.fc2(layer.fc1(y, True), False), layer.ff_norm, self.norm_first)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return x.view(b, s, d), mask
+        return x.view(b, s, d)

@@ -72,6 +72,50 @@ def test_the_encoder_pass_matches_the_modules(norm_first: bool, positions: str, 
             torch.testing.assert_close(memory, expected, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_the_encoder_pass_encodes_a_long_batch_in_groups_of_sentences(
+    dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More padded positions than ``ENCODER_CHUNK_TOKENS``: the sentences go through the layers
+    in groups that fit it (at least one sentence each), and the batch's memory is the one-pass
+    encoder's (float32: to rounding; int8 quantizes each group's activations with a scale of
+    its own, so both are as close to the float32 encoder as int8 gets)."""
+    from model import kernels
+    from model import step as step_module
+
+    model = make_model(seed=5)
+    src = pad(sources(7, seed=4, min_len=20, max_len=30), 0)  # (7, S), 21 <= S <= 31
+    with torch.inference_mode():
+        exact = model.encode(src)[0]  # float32, the modules' encoder
+    if dtype == "int8":
+        try:
+            plan = kernels.choose("cpu", "int8")
+        except kernels.UnsupportedPrecision as err:
+            pytest.skip(str(err))
+        kernels.install(model, plan, model.step_linears())
+    with torch.inference_mode():
+        encoder = EncoderPass(model)
+        whole, whole_mask = encoder(src)  # 7 x S < 1,024 positions: one pass
+        groups: list[int] = []
+        one_pass = encoder._encode
+
+        def counted(part: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            groups.append(part.shape[0])
+            return one_pass(part, mask)
+
+        monkeypatch.setattr(encoder, "_encode", counted)
+        monkeypatch.setattr(step_module, "ENCODER_CHUNK_TOKENS", 2 * src.shape[1])
+        memory, mask = encoder(src)
+    assert groups == [2, 2, 2, 1]
+    assert torch.equal(mask, whole_mask)
+    if dtype == "float32":
+        torch.testing.assert_close(memory, whole, atol=1e-6, rtol=1e-6)
+    else:  # 8-bit weights and activations through three layers: a few percent either way
+        for encoded in (memory, whole):
+            assert (encoded - exact).norm() / exact.norm() < 0.05
+        assert not torch.equal(memory, whole)  # each group had its own activation scales
+
+
 def test_a_step_with_beams_and_late_rows_matches_each_row_alone() -> None:
     """Rows sharing a sentence's memory (width 3) and rows masked to the keys after they
     joined, at their own positions: each row's logits are those of its history decoded alone."""
