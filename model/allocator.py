@@ -76,7 +76,7 @@ def bound_onednn_cache(capacity: int = ONEDNN_PRIMITIVE_CACHE, descriptors: int 
 # never returns them. Batches of varied shapes grow that pool: after one bench.decode pass over
 # test_2016 in batches of 64 it held 26 MiB that no tensor used (glibc's mallinfo2 against every
 # live tensor's storage), a third of the batch's working memory. With it off MKL allocates
-# through malloc, whose tuned heap (above) reuses the blocks: bench.decode's peak fell 12-15 MiB
+# through malloc, whose tuned heap (above) reuses the blocks: bench.decode's peak fell 11-16 MiB
 # at no measurable speed cost (docs/benchmarks.md "Numbers behind the code"). MKL reads the
 # variable once, while torch is being imported, so ``model/__init__.py`` sets it before anything
 # imports torch (app and bench import ``model`` first for that reason).
