@@ -112,13 +112,26 @@ class SelfAttentionCache:
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: (R, H, T, Dh) new positions, stored after the cached ones."""
         start, end = self.length, self.length + k.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"KV cache capacity {self.capacity} exceeded ({end})")
-        if end > self.slots:  # the layout is full: spread it out (``reorder``'s growth)
-            self.reorder(torch.arange(self.rows, device=k.device), self._grown(start, end) - start)
+        self._make_room(end)
         self._k4[:, :, start:end].copy_(k)
         self._v4[:, :, start:end].copy_(v)
         self.length = end
+
+    def next_slot(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """For a kernel that writes one new position itself (``model.fused``): the (R, H, slots,
+        Dh) K and V buffers, with room at the returned position, which ``length`` counts from now."""
+        position = self.length
+        self._make_room(position + 1)
+        self.length = position + 1
+        return self._k4, self._v4, position
+
+    def _make_room(self, end: int) -> None:
+        """Room for ``end`` positions in the layout (spread out as ``reorder`` grows it)."""
+        if end > self.capacity:
+            raise ValueError(f"KV cache capacity {self.capacity} exceeded ({end})")
+        if end > self.slots:  # the layout is full: spread it out (``reorder``'s growth)
+            start = self.length
+            self.reorder(torch.arange(self.rows, device=self._k.device), self._grown(start, end) - start)
 
     def _grown(self, held: int, needed: int) -> int:
         """Slots of a grown layout: twice the positions held, at least ``FIRST_SLOTS`` (and

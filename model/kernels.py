@@ -51,6 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.fused import enabled as fused_enabled
+from model.fused import load as load_fused
 from model.precision import PRECISIONS, Precision
 
 log = logging.getLogger(__name__)
@@ -164,6 +166,7 @@ class KernelPlan:
     reduce_range: bool = False  # int8: 7-bit activations, so AVX2's 16-bit accumulation cannot saturate
     warning: str | None = None  # logged once when the plan is installed
     step_kernel: KernelName | None = None  # the decoder step's layers, where not ``kernel``
+    fused: str | None = None  # the fused decoder-step kernels' variant (``model.fused``); None: not used
 
     @property
     def step(self) -> KernelName:
@@ -172,7 +175,16 @@ class KernelPlan:
 
     def describe(self) -> str:
         step = f", decoder steps via {self.step_kernel}" if self.step_kernel else ""
-        return f"{self.precision} on {self.device} via {self.kernel}{step} ({self.isa})"
+        fused = f", fused step kernels ({self.fused})" if self.fused else ""
+        return f"{self.precision} on {self.device} via {self.kernel}{step}{fused} ({self.isa})"
+
+
+def fused_variant(features: CpuFeatures) -> str:
+    """The build of the fused decoder-step kernels (``model.fused``) this CPU runs: AVX-512,
+    AVX2 + FMA, or the compiler's default instructions."""
+    if features.avx512 and features.fma:
+        return "avx512"
+    return "avx2" if features.avx2 and features.fma else "baseline"
 
 
 def choose(
@@ -180,12 +192,29 @@ def choose(
     precision: str,
     features: CpuFeatures | None = None,
     engines: Iterable[str] | None = None,
+    fused: bool | None = None,
 ) -> KernelPlan:
     """The kernel plan for ``precision`` on ``device`` (see the module's table).
 
-    ``features`` and ``engines`` (torch's quantized engines) default to this machine's.
+    ``features`` and ``engines`` (torch's quantized engines) default to this machine's;
+    ``fused`` (default: ``TRANSLATOR_FUSED_STEP``, on) whether CPU plans whose activations are
+    float32 (float32 and int8) name the fused decoder-step kernels for this CPU (``fused_variant``).
     Raises ``UnsupportedPrecision`` naming ``TRANSLATOR_DTYPE`` when it cannot run at all.
     """
+    plan = _choose(device, precision, features, engines)
+    use = fused_enabled() if fused is None else fused
+    if use and plan.device == "cpu" and plan.dtype == torch.float32:
+        f = features if features is not None else detected()
+        plan = replace(plan, fused=fused_variant(f))
+    return plan
+
+
+def _choose(
+    device: str | torch.device,
+    precision: str,
+    features: CpuFeatures | None,
+    engines: Iterable[str] | None,
+) -> KernelPlan:
     dev = torch.device(device).type
     if precision not in PRECISIONS:
         raise UnsupportedPrecision(f"TRANSLATOR_DTYPE={precision} is not one of {', '.join(PRECISIONS)}")
@@ -548,13 +577,17 @@ def kernel_for(plan: KernelPlan, name: KernelName | None = None) -> LinearKernel
 
 def install(model: nn.Module, plan: KernelPlan, step_layers: Iterable[nn.Module] = ()) -> nn.Module:
     """Give every layer of ``model`` that takes a kernel (``uses_kernel``) the plan's kernel, and
-    the layers in ``step_layers`` (the decoder step's: ``Transformer.step_linears``) its ``step``."""
+    the layers in ``step_layers`` (the decoder step's: ``Transformer.step_linears``) its ``step``;
+    a ``Transformer`` also gets the fused decoder-step kernels the plan names (``model.fused``:
+    built on first use, None where they cannot be)."""
     kernel = kernel_for(plan)
     step = kernel if plan.step == plan.kernel else kernel_for(plan, plan.step)
     in_step = {id(m) for m in step_layers}
     for module in model.modules():
         if hasattr(module, "kernel"):
             setattr(module, "kernel", step if id(module) in in_step else kernel)  # noqa: B010 (nn.Module's __setattr__ types say Tensor | Module)
+    if hasattr(model, "fused_step"):  # a Transformer: the decoder step's fused kernels, built now if need be
+        model.fused_step = plan.fused if load_fused(plan.fused) is not None else None
     if plan.warning:
         log.warning("%s", plan.warning)
     log.info("linear kernels: %s", plan.describe())

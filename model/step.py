@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import fused
 from model.attention import attend
 from model.cache import KVCache
 from model.kernels import BoundLinear, LinearKernel, bind
@@ -42,6 +44,12 @@ def _position_table(model: Transformer) -> torch.Tensor:
     positions = embed.learned.weight if embed.learned is not None else embed.table
     assert positions is not None
     return positions
+
+
+def _device(model: Transformer) -> torch.device:
+    """Where the model runs: its target embeddings' device (never released, unlike an untied
+    output matrix, which inference on packed kernels leaves on the meta device)."""
+    return model.tgt_embed.tokens.weight.device
 
 
 def step_dtype(model: Transformer) -> torch.dtype:
@@ -111,6 +119,11 @@ def _residual(x: torch.Tensor, y: torch.Tensor, norm: _Norm, norm_first: bool) -
     return x + y if norm_first else norm(x + y)
 
 
+def _join(fused: ModuleType, x: torch.Tensor, y: torch.Tensor, norm: _Norm, post: bool) -> torch.Tensor:
+    """``_residual`` on the fused kernels: post-LN norm(x + y) in place in x (one call); pre-LN x + y."""
+    return fused.add_norm_(x, y, norm.weight, norm.bias, norm.eps) if post else x + y
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """q (N, Tq, Dh) already scaled, k and v (N, Tk, Dh), bias (N, 1, Tk) | None -> (N, Tq, Dh)."""
     scores = torch.bmm(q, k.transpose(1, 2)) if bias is None else torch.baddbmm(bias, q, k.transpose(1, 2))
@@ -140,7 +153,7 @@ class DecoderStep:
         self.scale = torch.tensor(1.0 / math.sqrt(self.head_dim), dtype=torch.float32)
         self.norm_first = cfg.norm_first
         # The bound kernels skip autograd and autocast; anything else takes the modules' path.
-        fast = uses_kernels(model.output_matrix().device)
+        fast = uses_kernels(_device(model))
         self.layers = [_Layer.of(layer, fast) for layer in model.decoder_layers]
         out = model.output_matrix()
         self.output = bind(model.kernel, out, None) if fast else _through(model.kernel, out, None)
@@ -150,6 +163,12 @@ class DecoderStep:
         self.positions = _position_table(model)
         self.max_positions = embed.max_positions
         self._memory: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (mask, its bias)
+        # The fused kernels (model.fused) where the model names them and the step runs float32
+        # on the CPU's bound kernels; the scale as the float they take; the memory mask's rows.
+        cpu_float = fast and self.positions.dtype == torch.float32 and self.positions.device.type == "cpu"
+        self.fused = fused.load(model.fused_step) if cpu_float else None
+        self.scale_value = 1.0 / math.sqrt(self.head_dim)
+        self._memory_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (mask, mask[:, 0, 0])
 
     def _memory_bias(self, memory_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """The cross-attention bias (B*H, 1, S) of a memory mask, made again only when the
@@ -174,10 +193,7 @@ class DecoderStep:
         By default every row is at position ``cache.length`` and sees every cached key. Rows
         that joined a running batch later pass their own ``positions`` (R,) and a ``self_mask``
         (R, 1, 1, cache.length + 1) that hides the keys from before they joined."""
-        h, dh, scale = self.heads, self.head_dim, self.scale
-        r, length = tokens.shape[0], cache.length
-        b = cache.sentences
-        w = r // b
+        length = cache.length
         if positions is None:
             if length >= self.max_positions:
                 raise ValueError(f"sequence of {length + 1} positions exceeds max_positions {self.max_positions}")
@@ -188,7 +204,21 @@ class DecoderStep:
         if embedded.dtype != where.dtype:  # a float16 lookup table (checkpoint.release_output_projection)
             embedded = embedded.to(where.dtype)
         x = torch.add(where, embedded, alpha=self.embed_scale)  # (R, D)
-        d = x.shape[1]
+        if self.fused is not None:
+            x = self._fused_layers(x, cache, memory_mask, self_mask)
+        else:
+            x = self._layers(x, cache, memory_mask, self_mask)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.output(x, False) if output is None else F.linear(x, output)
+
+    def _layers(
+        self, x: torch.Tensor, cache: KVCache, memory_mask: torch.Tensor, self_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x (R, D) through every layer on tensor operations -> (R, D)."""
+        h, dh, scale = self.heads, self.head_dim, self.scale
+        r, d, b = x.shape[0], x.shape[1], cache.sentences
+        w = r // b
         cross_bias = self._memory_bias(memory_mask, x.dtype)
         self_bias = None if self_mask is None else additive_mask(self_mask, h, x.dtype)
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
@@ -211,9 +241,31 @@ class DecoderStep:
             # feed-forward
             hx = layer.ff_norm(x) if self.norm_first else x
             x = _residual(x, layer.fc2(layer.fc1(hx, True), False), layer.ff_norm, self.norm_first)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        return self.output(x, False) if output is None else F.linear(x, output)
+        return x
+
+    def _fused_layers(
+        self, x: torch.Tensor, cache: KVCache, memory_mask: torch.Tensor, self_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x (R, D) through every layer, each attention sub-layer and post-LN residual join one
+        call of the fused kernels (``model.fused``) -> (R, D)."""
+        fused, scale, post = self.fused, self.scale_value, not self.norm_first
+        assert fused is not None
+        visible = torch.empty(0, dtype=torch.bool) if self_mask is None else self_mask.reshape(x.shape[0], -1)
+        if self._memory_rows is None or self._memory_rows[0] is not memory_mask:
+            self._memory_rows = (memory_mask, memory_mask[:, 0, 0])  # (B, S) bool
+        source = self._memory_rows[1]
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            k, v, position = layer_cache.self_attention.next_slot()
+            qkv = layer.qkv(x if post else layer.self_norm(x), False)  # (R, 3D)
+            y = layer.self_out(fused.self_attend(qkv, k, v, position, visible, scale), False)
+            x = _join(fused, x, y, layer.self_norm, post)
+            cross = layer_cache.cross_attention
+            q = layer.cross_q(x if post else layer.cross_norm(x), False)
+            y = layer.cross_out(fused.cross_attend(q, cross.k, cross.v, source, scale), False)
+            x = _join(fused, x, y, layer.cross_norm, post)
+            y = layer.fc2(layer.fc1(x if post else layer.ff_norm(x), True), False)
+            x = _join(fused, x, y, layer.ff_norm, post)
+        return x
 
 
 @dataclass(frozen=True)
@@ -261,7 +313,7 @@ class EncoderPass:
         cfg = model.config
         self.model = model
         self.heads, self.pad_id, self.norm_first = cfg.n_heads, cfg.pad_id, cfg.norm_first
-        fast = uses_kernels(model.output_matrix().device)
+        fast = uses_kernels(_device(model))
         self.layers = [_EncoderLayer.of(layer, fast) for layer in model.encoder_layers]
         self.final_norm = None if model.encoder_norm is None else _Norm.of(model.encoder_norm)
 

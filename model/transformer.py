@@ -201,6 +201,10 @@ class Transformer(nn.Module):
         self.encoder_norm = nn.LayerNorm(d, eps=config.layer_norm_eps) if config.norm_first else None
         self.decoder_norm = nn.LayerNorm(d, eps=config.layer_norm_eps) if config.norm_first else None
         self.output: nn.Linear | None = None
+        # The variant of the fused decoder-step kernels (model.fused) to run, set by kernels.install
+        # where the plan names them and they load; model.step.DecoderStep runs its own tensor
+        # operations without them.
+        self.fused_step: str | None = None
         if not config.share_embeddings:
             self.output = Linear(d, config.tgt_vocab_size, bias=False)
         self.reset_parameters()

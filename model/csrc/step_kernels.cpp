@@ -1,0 +1,236 @@
+// The decoder step's small operations, fused: what a step does between its matrix products.
+//
+// At the batch sizes of interactive use (one sentence: 1 row greedy, 4 rows beam 4) a step's
+// arithmetic is tiny and each ATen operation costs a few microseconds of dispatch, allocation
+// and bookkeeping; the ~30 of them per decoder layer between the layer's six matrix products
+// (scaling, cache writes, batched matmuls, softmax, head reshapes, residual adds, layer norms)
+// cost more than the arithmetic. Here each attention sub-layer is one call and each residual +
+// layer norm another (docs/benchmarks.md "The fused step"). The matrix products stay in torch.
+//
+// Float32, CPU, contiguous rows; model/fused.py checks what it passes. Work is split over
+// torch's own thread pool (at::parallel_for) only when it is large enough to pay for the split.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// Multiply-adds a task should have before it is worth a thread of its own.
+constexpr int64_t kGrainWork = 32768;
+
+// Sums in a fixed order, whatever the compiler vectorizes and however the data is aligned: kLanes
+// running sums (lane l takes elements l, l + kLanes, ...) added up in order, then the tail. (An
+// `omp simd` reduction lets the compiler peel iterations to align the data, so the rounding, and
+// a beam search's choices between near-equal scores, would depend on where a buffer happens to lie.)
+constexpr int64_t kLanes = 16;
+
+inline float lanes_total(const float* acc) {
+  float s = 0.f;
+  for (int64_t l = 0; l < kLanes; l++) s += acc[l];
+  return s;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) {
+    for (int64_t l = 0; l < kLanes; l++) acc[l] += a[d + l] * b[d + l];
+  }
+  float s = lanes_total(acc);
+  for (; d < n; d++) s += a[d] * b[d];
+  return s;
+}
+
+// sum of (x[i] - shift)^2, or of x[i] with square false, in the same fixed order as ``dot``
+template <bool square>
+inline float total(const float* x, int64_t n, float shift) {
+  float acc[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) {
+    for (int64_t l = 0; l < kLanes; l++) {
+      const float t = x[d + l] - shift;
+      acc[l] += square ? t * t : t;
+    }
+  }
+  float s = lanes_total(acc);
+  for (; d < n; d++) {
+    const float t = x[d] - shift;
+    s += square ? t * t : t;
+  }
+  return s;
+}
+
+inline void axpy(float w, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; d++) y[d] += w * x[d];
+}
+
+// One query (Dh) over keys/values k[j * ks], v[j * vs] (j < n, `visible(j)` true), softmax
+// weights in `p` (n floats), the weighted sum of values into out (Dh).
+template <typename Visible>
+inline void attend_one(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t n,
+                       int64_t dh, float scale, Visible visible, float* p, float* out) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < n; j++) {
+    if (!visible(j)) continue;
+    p[j] = dot(q, k + j * ks, dh) * scale;
+    top = std::max(top, p[j]);
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; j++) {
+    if (!visible(j)) continue;
+    p[j] = std::exp(p[j] - top);
+    sum += p[j];
+  }
+  const float inv = 1.f / sum;
+  std::fill(out, out + dh, 0.f);
+  for (int64_t j = 0; j < n; j++) {
+    if (visible(j)) axpy(p[j] * inv, v + j * vs, out, dh);
+  }
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be float32 on the CPU");
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous (rows, width) matrix");
+}
+
+void check_cache(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 4, name,
+              " must be a float32 (rows, heads, positions, head_dim) CPU tensor");
+  TORCH_CHECK(t.stride(3) == 1, name, "'s head_dim must be contiguous");
+}
+
+}  // namespace
+
+// Self-attention of one decoder step. qkv (R, 3D): each row's query, key and value, heads
+// side by side. k, v (R, H, slots, Dh): the cache; the new key and value are written at
+// position `pos`, and each row attends over positions 0..pos, those with visible[r][j] false
+// left out (visible: (R, pos + 1) bool, or an empty tensor: all visible). -> (R, D), heads merged.
+torch::Tensor self_attend(const torch::Tensor& qkv, torch::Tensor k, torch::Tensor v, int64_t pos,
+                          const torch::Tensor& visible, double scale) {
+  check_rows(qkv, "qkv");
+  check_cache(k, "k");
+  check_cache(v, "v");
+  const int64_t r = qkv.size(0), d = qkv.size(1) / 3, h = k.size(1), dh = k.size(3);
+  TORCH_CHECK(k.size(0) == r && v.size(0) == r && h * dh == d && pos < k.size(2) && pos < v.size(2),
+              "self_attend: the cache does not match qkv or has no room at position ", pos);
+  const bool masked = visible.numel() > 0;
+  if (masked) {
+    TORCH_CHECK(visible.scalar_type() == torch::kBool && visible.is_contiguous() && visible.numel() == r * (pos + 1),
+                "visible must be a contiguous (R, pos + 1) bool tensor");
+  }
+  auto out = torch::empty({r, d}, qkv.options());
+  const float* in = qkv.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const bool* vis = masked ? visible.data_ptr<bool>() : nullptr;
+  const int64_t k0 = k.stride(0), k1 = k.stride(1), k2 = k.stride(2);
+  const int64_t v0 = v.stride(0), v1 = v.stride(1), v2 = v.stride(2);
+  const int64_t n = pos + 1;
+  const int64_t grain = std::max<int64_t>(1, kGrainWork / (2 * n * dh));
+  at::parallel_for(0, r * h, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(n);
+    for (int64_t i = begin; i < end; i++) {
+      const int64_t row = i / h, head = i % h;
+      const float* q = in + row * 3 * d + head * dh;
+      float* kb = kp + row * k0 + head * k1;
+      float* vb = vp + row * v0 + head * v1;
+      std::copy(q + d, q + d + dh, kb + pos * k2);
+      std::copy(q + 2 * d, q + 2 * d + dh, vb + pos * v2);
+      float* o = op + row * d + head * dh;
+      if (vis == nullptr) {
+        attend_one(q, kb, k2, vb, v2, n, dh, (float)scale, [](int64_t) { return true; }, p.data(), o);
+      } else {
+        const bool* row_vis = vis + row * n;
+        attend_one(q, kb, k2, vb, v2, n, dh, (float)scale, [row_vis](int64_t j) { return row_vis[j]; }, p.data(), o);
+      }
+    }
+  });
+  return out;
+}
+
+// Cross-attention of one decoder step. q (R, D) queries, R = B * W (W consecutive rows per
+// sentence); k, v (B, H, S, Dh) the sentences' projected memory; mask (B, S) bool, true where a
+// source position may be attended (or an empty tensor: all). -> (R, D), heads merged.
+torch::Tensor cross_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                           const torch::Tensor& mask, double scale) {
+  check_rows(q, "q");
+  check_cache(k, "k");
+  check_cache(v, "v");
+  const int64_t r = q.size(0), d = q.size(1), b = k.size(0), h = k.size(1), s = k.size(2), dh = k.size(3);
+  TORCH_CHECK(b > 0 && r % b == 0 && h * dh == d && v.size(0) == b && v.size(2) == s,
+              "cross_attend: memory of ", b, " sentences for ", r, " rows");
+  const bool masked = mask.numel() > 0;
+  if (masked) {
+    TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.dim() == 2 && mask.size(0) == b && mask.size(1) >= s &&
+                    mask.stride(1) == 1,
+                "mask must be a (B, S) bool tensor with contiguous rows");
+  }
+  const int64_t w = r / b;
+  auto out = torch::empty({r, d}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
+  const int64_t m0 = masked ? mask.stride(0) : 0;
+  const int64_t k0 = k.stride(0), k1 = k.stride(1), k2 = k.stride(2);
+  const int64_t v0 = v.stride(0), v1 = v.stride(1), v2 = v.stride(2);
+  const int64_t grain = std::max<int64_t>(1, kGrainWork / (2 * s * dh));
+  at::parallel_for(0, r * h, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(s);
+    for (int64_t i = begin; i < end; i++) {
+      const int64_t row = i / h, head = i % h, sentence = row / w;
+      const float* qh = qp + row * d + head * dh;
+      const float* kb = kp + sentence * k0 + head * k1;
+      const float* vb = vp + sentence * v0 + head * v1;
+      float* o = op + row * d + head * dh;
+      if (mp == nullptr) {
+        attend_one(qh, kb, k2, vb, v2, s, dh, (float)scale, [](int64_t) { return true; }, p.data(), o);
+      } else {
+        const bool* row_mask = mp + sentence * m0;
+        attend_one(qh, kb, k2, vb, v2, s, dh, (float)scale, [row_mask](int64_t j) { return row_mask[j]; }, p.data(), o);
+      }
+    }
+  });
+  return out;
+}
+
+// x = LayerNorm(x + y) in place (the post-LN residual join). x, y (R, D); weight, bias (D). -> x
+torch::Tensor add_norm_(torch::Tensor x, const torch::Tensor& y, const torch::Tensor& weight,
+                        const torch::Tensor& bias, double eps) {
+  check_rows(x, "x");
+  check_rows(y, "y");
+  const int64_t r = x.size(0), d = x.size(1);
+  TORCH_CHECK(y.size(0) == r && y.size(1) == d && weight.numel() == d && bias.numel() == d &&
+                  weight.is_contiguous() && bias.is_contiguous() && weight.scalar_type() == torch::kFloat32 &&
+                  bias.scalar_type() == torch::kFloat32,
+              "add_norm_: shapes do not match");
+  float* xp = x.data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  const float* g = weight.data_ptr<float>();
+  const float* be = bias.data_ptr<float>();
+  at::parallel_for(0, r, std::max<int64_t>(1, kGrainWork / (4 * d)), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; row++) {
+      float* xr = xp + row * d;
+      const float* yr = yp + row * d;
+      for (int64_t i = 0; i < d; i++) xr[i] += yr[i];
+      const float mean = total<false>(xr, d, 0.f) / d;
+      const float var = total<true>(xr, d, mean);
+      const float rstd = 1.f / std::sqrt(var / d + (float)eps);
+#pragma omp simd
+      for (int64_t i = 0; i < d; i++) xr[i] = (xr[i] - mean) * rstd * g[i] + be[i];
+    }
+  });
+  return x;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("self_attend", &self_attend, "self-attention of one decoder step (writes the cache)");
+  m.def("cross_attend", &cross_attend, "cross-attention of one decoder step");
+  m.def("add_norm_", &add_norm_, "x = LayerNorm(x + y), in place");
+}

@@ -1,0 +1,90 @@
+"""The fused decoder-step kernels (``model/csrc/step_kernels.cpp``): built for this CPU on first
+use, loaded from torch's extension cache afterwards, and optional.
+
+A decoder step at one sentence spends more time dispatching the small operations between its
+matrix products than computing them (docs/benchmarks.md "The fused step"). The C++ file does
+each attention sub-layer (cache write, scores, softmax, weighted sum, heads merged) in one call
+and each post-LN residual join in another; ``model.step.DecoderStep`` uses them when the model
+has them (``Transformer.step_kernels``), and its own tensor operations otherwise, with the same
+results to float rounding (tests/model/test_fused.py).
+
+The variant is part of the kernel plan (``kernels.choose`` -> ``KernelPlan.fused``): compiled
+for AVX-512, AVX2 + FMA or no vector extension beyond the compiler's default, from the CPU's
+reported features (and the ISA caps, like every other kernel choice). Building needs a C++
+compiler (torch's ``cpp_extension``: g++ and ninja, ~20-40 s once per variant and torch
+version); where it cannot build or load, ``load`` logs why once and returns None, and decoding
+runs on the tensor operations. ``TRANSLATOR_FUSED_STEP=off`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Literal
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "step_kernels.cpp"
+ENV = "TRANSLATOR_FUSED_STEP"
+
+Variant = Literal["avx512", "avx2", "baseline"]
+
+# What each variant is compiled with (its name is part of the extension's, so each is cached apart).
+FLAGS: dict[str, list[str]] = {
+    "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+    "avx2": ["-mavx2", "-mfma"],
+    "baseline": [],
+}
+COMMON_FLAGS = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for's OpenMP and the `omp simd` loops
+
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def enabled(env: dict[str, str] | os._Environ[str] | None = None) -> bool:
+    """False when ``TRANSLATOR_FUSED_STEP`` is off, 0, false or no."""
+    value = (os.environ if env is None else env).get(ENV, "").strip().lower()
+    return value not in ("0", "off", "false", "no")
+
+
+def load(variant: str | None) -> ModuleType | None:
+    """The compiled kernels of ``variant`` (built first if torch's cache has none for it), or
+    None when ``variant`` is None or they cannot be built here (logged once). Thread-safe;
+    every call after the first returns the same answer at once."""
+    if variant is None:
+        return None
+    with _lock:
+        if variant not in _loaded:
+            _loaded[variant] = _build(variant)
+        return _loaded[variant]
+
+
+def _build(variant: str) -> ModuleType | None:
+    if variant not in FLAGS:
+        raise ValueError(f"unknown fused-step variant {variant!r}; one of {', '.join(FLAGS)}")
+    start = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+
+        module = cpp_extension.load(
+            name=f"translator_step_{variant}",
+            sources=[str(SOURCE)],
+            extra_cflags=[*COMMON_FLAGS, *FLAGS[variant]],
+            verbose=False,
+        )
+    except Exception as err:  # no compiler, no ninja, a read-only cache: the tensor operations run instead
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        log.warning(
+            "fused decoder-step kernels (%s) unavailable, decoding on tensor operations (slower at small "
+            "batches): %s; set %s=off to skip the attempt",
+            variant,
+            first[:300],
+            ENV,
+        )
+        return None
+    log.info("fused decoder-step kernels (%s) ready in %.1f s", variant, time.perf_counter() - start)
+    return module
