@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -63,10 +64,23 @@ def load(variant: str | None) -> ModuleType | None:
         return _loaded[variant]
 
 
+def _find_ninja() -> None:
+    """torch's builder runs ``ninja`` from PATH: put the ninja package's (a dependency) there when
+    PATH has none, as when a virtual environment's programs run without it being activated."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja  # type: ignore[import-untyped]
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 def _build(variant: str) -> ModuleType | None:
     if variant not in FLAGS:
         raise ValueError(f"unknown fused-step variant {variant!r}; one of {', '.join(FLAGS)}")
     start = time.perf_counter()
+    _find_ninja()
     try:
         from torch.utils import cpp_extension
 

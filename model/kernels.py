@@ -587,7 +587,7 @@ def install(model: nn.Module, plan: KernelPlan, step_layers: Iterable[nn.Module]
         if hasattr(module, "kernel"):
             setattr(module, "kernel", step if id(module) in in_step else kernel)  # noqa: B010 (nn.Module's __setattr__ types say Tensor | Module)
     if hasattr(model, "fused_step"):  # a Transformer: the decoder step's fused kernels, built now if need be
-        model.fused_step = plan.fused if load_fused(plan.fused) is not None else None
+        setattr(model, "fused_step", plan.fused if load_fused(plan.fused) is not None else None)  # noqa: B010
     if plan.warning:
         log.warning("%s", plan.warning)
     log.info("linear kernels: %s", plan.describe())

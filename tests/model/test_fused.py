@@ -1,0 +1,174 @@
+"""The fused decoder-step kernels (model/fused.py, model/csrc/step_kernels.cpp): chosen from
+the CPU's features, built here for real, and giving the tensor operations' results."""
+
+from __future__ import annotations
+
+import gzip
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import checkpoint, fused, kernels
+from model.data import pad
+from model.decoding import DecodeSession, DecodingOptions, decode_stream
+from model.step import DecoderStep
+from model.translator import Translator
+from tests.conftest import require
+from tests.factories import V, assert_steps_match, make_model
+from tests.model.test_decoding import sources
+
+HERE = kernels.detected()
+# every variant this CPU can run: its own and the narrower ones
+RUNNABLE = sorted({kernels.fused_variant(f) for f in (HERE, HERE & kernels.AVX2_ONLY, kernels.BASELINE)})
+
+
+def built(variant: str) -> str:
+    """``variant``, once its kernels load here (skipped without a compiler; a failure in CI)."""
+    require(fused.load(variant) is not None, f"the fused step kernels ({variant}) do not build here: see the log")
+    return variant
+
+
+def test_the_variant_follows_the_cpu_features_and_the_isa_caps() -> None:
+    assert kernels.fused_variant(kernels.AVX512_BF16) == "avx512"
+    assert kernels.fused_variant(kernels.AVX2_ONLY) == "avx2"
+    assert kernels.fused_variant(replace(kernels.AVX2_ONLY, fma=False)) == "baseline"
+    assert kernels.fused_variant(kernels.BASELINE) == "baseline"
+    capped = kernels.AVX512_BF16.capped({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert kernels.fused_variant(capped) == "avx2"
+
+
+def test_plans_with_float32_activations_name_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 and int8 (float32 activations) on the CPU; never bfloat16, float16 or CUDA; off
+    by argument or by ``TRANSLATOR_FUSED_STEP``."""
+    monkeypatch.delenv(fused.ENV, raising=False)
+    for precision in ("float32", "int8"):
+        plan = kernels.choose("cpu", precision, kernels.AVX2_ONLY, engines=["fbgemm"])
+        assert plan.fused == "avx2" and "fused step kernels (avx2)" in plan.describe()
+        assert kernels.choose("cpu", precision, kernels.AVX2_ONLY, engines=["fbgemm"], fused=False).fused is None
+    for precision in ("bfloat16", "float16"):
+        assert kernels.choose("cpu", precision, kernels.AVX512_BF16).fused is None
+    assert kernels.choose("cuda", "float32").fused is None
+    for off in ("off", "0", "false"):
+        monkeypatch.setenv(fused.ENV, off)
+        assert kernels.choose("cpu", "float32", kernels.AVX512_BF16).fused is None
+
+
+@pytest.mark.parametrize("variant", RUNNABLE)
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_fused_steps_match_full_recomputation(variant: str, norm_first: bool, positions: str) -> None:
+    """Every variant this CPU runs, post-LN and pre-LN: the fused step on the KV cache (padded
+    sources) gives the modules' teacher-forced logits."""
+    model = make_model(norm_first=norm_first, positions=positions)
+    model.fused_step = built(variant)
+    src = pad(sources(4), 0)
+    assert (src == 0).any()
+    tgt = torch.randint(4, V, (4, 9))
+    tgt[:, 0] = 2
+    with torch.no_grad():
+        full = model(src, tgt)
+    with torch.inference_mode():
+        assert DecoderStep(model).fused is fused.load(variant)
+        assert_steps_match(model, src, tgt, full, tol=1e-5)
+
+
+def test_a_fused_step_with_beams_and_late_rows_matches_each_row_alone() -> None:
+    """Rows sharing a sentence's memory and rows masked to the keys after they joined, at their
+    own positions (continuous batching), on the fused kernels."""
+    model = make_model(seed=7)
+    model.fused_step = built(kernels.fused_variant(HERE))
+    src = pad(sources(2, seed=3), 0)
+    history = torch.randint(4, V, (6, 4))
+    history[:, 0] = 2
+    with torch.inference_mode():
+        memory, mask, _ = model.encode(src)
+        width = 3
+        full = model.decode(history, memory.repeat_interleave(width, 0), mask.repeat_interleave(width, 0))[0]
+        cache = model.init_cache(memory, capacity=8)
+        cache.reorder(torch.arange(2).repeat_interleave(width), width=width)
+        step = DecoderStep(model)
+        assert step.fused is not None
+        for t in range(4):
+            torch.testing.assert_close(step(history[:, t], cache, mask), full[:, t], atol=1e-5, rtol=1e-5)
+        late = torch.tensor([3, 4, 5])
+        positions = torch.tensor([4, 4, 4, 0, 0, 0])
+        keys_seen = torch.ones(6, 1, 1, 5, dtype=torch.bool)
+        keys_seen[late, :, :, :4] = False
+        tokens = torch.cat([torch.randint(4, V, (3,)), history[late, 0]])
+        logits = step(tokens, cache, mask, positions, keys_seen)
+        alone = model.decode(history[late, :1], memory[1:].repeat(width, 1, 1), mask[1:].repeat(width, 1, 1, 1))[0]
+        torch.testing.assert_close(logits[late], alone[:, 0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["float32", "int8"])
+def test_the_shipped_model_translates_the_same_on_both_paths(shipped: Path, data_dir: Path, precision: str) -> None:
+    """The shipped de-en model, 48 test sentences in batches of 16 (beam 4 and greedy): the same
+    translations with the fused kernels as with the tensor operations, scores within rounding
+    (int8: within its per-call activation scales)."""
+    variant = built(kernels.fused_variant(HERE))
+    ckpt = checkpoint.load(shipped, "cpu", precision)
+    assert ckpt.plan.fused == variant and ckpt.model.fused_step == variant
+    translator = Translator(ckpt.model, ckpt.tokenizer, (), checkpoint.use_shortlist(ckpt))
+    with gzip.open(data_dir / "test_2016_flickr.de.gz", "rt") as f:
+        ids = translator.encode([next(f).strip() for _ in range(48)])
+    for beam in (4, 1):
+        options = DecodingOptions(beam_size=beam)
+        results = {}
+        for step_kernels in (variant, None):
+            ckpt.model.fused_step = step_kernels
+            hypotheses = [h for i in range(0, 48, 16) for h in translator.decode_ids(ids[i : i + 16], options)]
+            results[step_kernels] = hypotheses
+        pairs = [(a[0], b[0]) for a, b in zip(results[variant], results[None], strict=True)]
+        if precision == "float32":
+            assert all(a.ids == b.ids and a.score == pytest.approx(b.score, abs=1e-4) for a, b in pairs)
+        else:  # activations quantized per call: a rounding apart moves a scale, so scores move more
+            same = [a for a, b in pairs if a.ids == b.ids]
+            assert len(same) >= 46
+            assert all(a.score == pytest.approx(b.score, abs=0.05) for a, b in pairs if a.ids == b.ids)
+
+
+def test_sentences_joining_a_fused_batch_decode_as_if_alone() -> None:
+    """Continuous batching on the fused kernels: sentences admitted while others decode get
+    what they get decoded alone."""
+    model = make_model(seed=5)
+    model.fused_step = built(kernels.fused_variant(HERE))
+    options = DecodingOptions(beam_size=3, max_length_b=6)
+    first, later = pad(sources(3, seed=11), 0), pad(sources(2, seed=12), 0)
+    alone = {}
+    for tag, src in [(0, first[:1]), (1, first[1:2]), (2, first[2:3]), (3, later[:1]), (4, later[1:2])]:
+        (done,) = list(decode_stream(model, src[:, : int((src != 0).sum())], options))
+        alone[tag] = done.hypotheses[0]
+    with torch.inference_mode():
+        session = DecodeSession(model, options)
+        session.admit(first, [0, 1, 2])
+        together = {d.tag: d.hypotheses[0] for d in session.step()}
+        session.admit(later, [3, 4])
+        while session.active:
+            together.update({d.tag: d.hypotheses[0] for d in session.step()})
+    for tag, hyp in alone.items():
+        assert together[tag].ids == hyp.ids
+        assert together[tag].score == pytest.approx(hyp.score, abs=1e-4)
+
+
+def test_kernels_that_cannot_build_leave_the_tensor_operations(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A variant the compiler refuses: ``load`` logs why and returns None (once), and the step
+    runs on tensor operations with the same results."""
+    monkeypatch.setitem(fused.FLAGS, "broken", ["-fno-such-option-anywhere"])
+    with caplog.at_level(logging.WARNING, logger="model.fused"):
+        assert fused.load("broken") is None
+        assert fused.load("broken") is None
+    assert sum("fused decoder-step kernels (broken) unavailable" in r.message for r in caplog.records) == 1
+    monkeypatch.delitem(fused._loaded, "broken")
+    model = make_model()
+    reference = list(decode_stream(model, pad(sources(2), 0), DecodingOptions(beam_size=2)))
+    model.fused_step = "broken"
+    monkeypatch.setitem(fused._loaded, "broken", None)
+    with torch.inference_mode():
+        assert DecoderStep(model).fused is None
+    again = list(decode_stream(model, pad(sources(2), 0), DecodingOptions(beam_size=2)))
+    assert [d.hypotheses for d in again] == [d.hypotheses for d in reference]
