@@ -200,6 +200,10 @@ class DirectionInfo(BaseModel):
         description="what runs the decoder step's layers (aten: F.linear, on Intel CPUs; wx: MKL as W·xᵀ; or as kernel)"
     )
     cpu_isa: str | None = Field(description="the CPU instruction set the kernels use (null on a GPU)")
+    fused_step: str | None = Field(
+        description="the fused decoder-step kernels running (model.fused: avx512, avx2 or baseline build); "
+        "null where they are off (TRANSLATOR_FUSED_STEP=off), do not apply, or could not be built"
+    )
     max_source_tokens: int
     recommended_decoding: dict[str, Any] = Field(description="the model card's decoding options")
     quality: dict[str, Any] = Field(description="measured scores (metrics.json)")

@@ -358,6 +358,7 @@ class TranslationService:
             "kernel": self.plan.kernel,
             "step_kernel": self.plan.step,
             "cpu_isa": self.plan.isa if self.device.type == "cpu" else None,
+            "fused_step": self.translator.model.fused_step,
             "max_source_tokens": self.translator.max_source_tokens,
             "recommended_decoding": checkpoint.recommended_decoding(self.meta, self.direction),
             "quality": self.quality,

@@ -70,7 +70,7 @@ def _find_ninja() -> None:
     if shutil.which("ninja") is not None:
         return
     try:
-        import ninja  # type: ignore[import-untyped]
+        import ninja
     except ImportError:
         return
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])

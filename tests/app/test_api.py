@@ -19,7 +19,7 @@ from app.main import create_app
 from app.ratelimit import RateLimited
 from app.service import SentenceTooLong, TextTooLong, Timeout, TranslationError
 from app.settings import Settings
-from model import kernels
+from model import fused, kernels
 from tests.factories import DOC, assert_error, sample, server_timing, start
 
 
@@ -180,6 +180,7 @@ def test_metadata_endpoints(client: TestClient) -> None:
     assert direction["parameters"] > 0 and direction["model"]["d_model"] == 32
     plan = kernels.choose("cpu", "float32")
     assert (direction["kernel"], direction["step_kernel"], direction["cpu_isa"]) == (plan.kernel, plan.step, plan.isa)
+    assert direction["fused_step"] == (plan.fused if fused.load(plan.fused) is not None else None)
     assert info["limits"]["max_items"] == 4
     assert client.get("/docs").status_code == 200
     assert "/translate" in client.get("/openapi.json").json()["paths"]
