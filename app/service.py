@@ -118,7 +118,7 @@ def kernel_plan(settings: Settings) -> KernelPlan:
     """What the settings ask for, checked against this machine before anything is loaded:
     raises ``RuntimeError`` or ``UnsupportedPrecision`` naming the setting."""
     device = resolve_device(settings.device)
-    return kernels.choose(device, resolve_precision(settings.dtype, device.type))
+    return kernels.choose(device, resolve_precision(settings.dtype, device.type), fused=settings.fused_step)
 
 
 class LoadedModel:
@@ -132,7 +132,7 @@ class LoadedModel:
         """Loads the checkpoint on the calling thread: the service calls this on ``thread``."""
         self.device = resolve_device(settings.device)
         self.precision = resolve_precision(settings.dtype, self.device.type)
-        self.ckpt = checkpoint.load(path, self.device, self.precision)
+        self.ckpt = checkpoint.load(path, self.device, self.precision, fused=settings.fused_step)
         self.shortlist = checkpoint.use_shortlist(self.ckpt, settings.shortlist)
         self.vocabulary = "full" if self.shortlist is None else "shortlist"
         self.path, self.meta, self.plan = path, self.ckpt.meta, self.ckpt.plan

@@ -45,6 +45,12 @@ class Settings(BaseSettings):
         "model/shortlist.py): faster; a few sentences in a hundred may differ from whole-vocabulary decoding; "
         "false: the whole vocabulary (int8 always scores it: faster there)",
     )
+    fused_step: bool = Field(
+        True,
+        description="float32 and int8 on the CPU: run the decoder step's attention and layer norms on the fused C++ "
+        "kernels (model/fused.py; built once per CPU variant with the system's C++ compiler, ~20-40 s, cached): "
+        "~20% faster at one sentence; false, or no compiler: torch's tensor operations",
+    )
     host: str = Field("0.0.0.0", description="address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="level of the JSON logs")

@@ -191,6 +191,7 @@ def load(
     precision: str = "float32",
     features: kernels.CpuFeatures | None = None,
     keep_float_weights: bool = False,
+    fused: bool | None = None,
 ) -> Checkpoint:
     """Load and validate a checkpoint folder onto ``device`` for inference at ``precision``
     (float32, bfloat16, float16 or int8; eval mode), with the linear kernels ``kernels.choose``
@@ -198,9 +199,10 @@ def load(
     on oneDNN) give their float weights up (``kernels.release_float_weights``; the output
     projection too, its embeddings kept for the lookups, in float16 where exact:
     ``release_output_projection``), so the model is for inference only; ``keep_float_weights``
-    keeps them (converters and tools that read the weights). Raises
+    keeps them (converters and tools that read the weights). ``fused``: whether the decoder step
+    runs the fused kernels (``model.fused``; default ``TRANSLATOR_FUSED_STEP``, on). Raises
     ``kernels.UnsupportedPrecision`` before reading anything when the precision cannot run here."""
-    plan = kernels.choose(device, precision, features)
+    plan = kernels.choose(device, precision, features, fused=fused)
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint folder not found")

@@ -186,6 +186,15 @@ def test_metadata_endpoints(client: TestClient) -> None:
     assert "/translate" in client.get("/openapi.json").json()["paths"]
 
 
+def test_the_fused_step_kernels_can_be_turned_off(tiny_weights_dir: Path) -> None:
+    """TRANSLATOR_FUSED_STEP=false: the plan names none, the model runs none, /info says so,
+    and translations still come back."""
+    for client in start(Settings(weights_dir=tiny_weights_dir, fused_step=False)):
+        direction = client.get("/info").json()["directions"][0]
+        assert direction["fused_step"] is None
+        assert client.post("/translate", json={"q": "Ein Hund.", "source": "de", "target": "en"}).status_code == 200
+
+
 def test_request_id_is_returned(client: TestClient) -> None:
     response = client.get("/health", headers={"x-request-id": "abc-123"})
     assert response.headers["x-request-id"] == "abc-123"
