@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -19,6 +20,9 @@ class Hypothesis:
     log_prob: float
     finished: bool
 
+
+# empty float and long tensors: "none" for the fused kernels' optional arguments, per device
+_EMPTY = {torch.device("cpu"): (torch.empty(0), torch.empty(0, dtype=torch.long))}
 
 # top_k splits each row into blocks of this many scores (see there), from this many rows on.
 TOP_K_BLOCK = 64
@@ -86,8 +90,10 @@ class Beams:
     sentences that join a running batch get K rows, like everyone else in it by then.
     """
 
-    def __init__(self, k: int, pad_id: int, device: torch.device) -> None:
-        self.k, self.pad_id = k, pad_id
+    def __init__(self, k: int, pad_id: int, device: torch.device, kernels: ModuleType | None = None) -> None:
+        """``kernels``: the fused step kernels (``model.fused``), whose ``advance`` does the usual
+        case of a step's bookkeeping in one call; None: tensor operations throughout."""
+        self.k, self.pad_id, self.kernels = k, pad_id, kernels
         self.scores = torch.zeros(0, k, device=device)  # raw cumulative log P, (A, K)
         self.length = torch.zeros(0, k, dtype=torch.long, device=device)  # tokens, EOS included
         self.finished = torch.zeros(0, k, dtype=torch.bool, device=device)
@@ -115,11 +121,13 @@ class Beams:
         alpha: float,
         eos_id: int,
         vocab: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """logits: (A, W, V) float32 next-token logits of each sentence's first W hypotheses
-        (W = 1 at a batch's first step, else K; overwritten with their log-probabilities),
+        (W = 1 at a batch's first step, else K; may be overwritten with their log-probabilities),
         step: (A,) each sentence's steps so far, vocab: (V,) the token id of each logit column
-        when the logits cover a shortlist (None: column i is token i)
+        when the logits cover a shortlist (None: column i is token i), bias: (A, 1, V) added to
+        the logits first (a shortlist's -inf outside each sentence's own columns), or None
         -> back-pointer rows (A*K,) into the A*W (None for greedy search: rows stay in
         place), and the tokens chosen (A, K).
 
@@ -133,10 +141,22 @@ class Beams:
         microseconds of dispatch, so the common cases take shorter paths: greedy search (one
         row per sentence, never finished here: a sentence leaves the step it ends) and beams
         with no finished hypothesis (the usual state until the first EOS), which need none of
-        the finished hypotheses' bookkeeping.
+        the finished hypotheses' bookkeeping; with the fused kernels, those cases are one call.
         """
         a, w, columns = logits.shape
         k = self.k
+        if self.kernels is not None:
+            empty = _EMPTY[logits.device]
+            done = self.kernels.advance(
+                logits, empty[0] if bias is None else bias, self.scores, self.finished, step,
+                empty[1] if vocab is None else vocab, eos_id, self.history, k,
+            )  # fmt: skip
+            if done:  # else a finished hypothesis is among the rows: the general path below
+                self.scores, tok, back, self.history, self.eos, self.length = done
+                self.finished = self.eos
+                return (back if k > 1 else None), tok
+        if bias is not None:
+            logits.add_(bias)
         logp = torch.log_softmax(logits, dim=-1, out=logits).view(a * w, columns)  # in place: no second (R, V) buffer
         if k == 1:
             best, tok = logp.max(dim=-1, keepdim=True)  # (A, 1): argmax, the first of equals

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
+from model import fused
 from model.beams import Beams, Hypothesis, cat_padded
 from model.cache import KVCache
 from model.shortlist import Shortlist, Vocabulary
@@ -141,7 +143,7 @@ class _SentenceRows:
     None: rows stay in place) and how many rows of sentences that joined since to add.
     """
 
-    def __init__(self, k: int, pad_id: int, device: torch.device) -> None:
+    def __init__(self, k: int, pad_id: int, device: torch.device, kernels: ModuleType | None = None) -> None:
         self.tags: list[int] = []  # what ``step`` returns each sentence as
         self.start_host: list[int] = []  # the step each sentence joined at
         self.start = torch.zeros(0, dtype=torch.long, device=device)  # (A,) the same, on the device
@@ -149,7 +151,7 @@ class _SentenceRows:
         self.source_lengths: list[int] = []  # source tokens (EOS included); host only
         self.memory_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=device)  # (A, 1, 1, S)
         self.tokens = torch.zeros(0, 1, dtype=torch.long, device=device)  # (A, W) next step's input
-        self.beams = Beams(k, pad_id, device)
+        self.beams = Beams(k, pad_id, device, kernels)
         self.gather: torch.Tensor | None = None  # (A*W,) cache rows to gather before the next step
         self.added = 0  # cache rows to add before the next step
 
@@ -256,7 +258,8 @@ class DecodeSession:
         self.steps = 0  # decoder steps run since the session was last empty
         self._cache: KVCache | None = None
         device = next(self.model.parameters()).device
-        self._rows = _SentenceRows(self.k, self.model.config.pad_id, device)
+        kernels = fused.load(self.model.fused_step) if device.type == "cpu" else None
+        self._rows = _SentenceRows(self.k, self.model.config.pad_id, device, kernels)
         vocab = self._own_vocab()
         if vocab is not None:
             vocab.clear()  # kept across resets: the always-candidates' rows are gathered once
@@ -368,12 +371,10 @@ class DecodeSession:
         assert vocab is not None or self.shortlist is None, "the session's shortlist columns were taken over"
         step_in = (rows.tokens.reshape(-1), cache, rows.memory_mask, positions, self_mask)
         logits = self._decoder(*step_in, output=None if vocab is None else vocab.rows).float()
-        if vocab is not None:  # each sentence's own candidates only
-            logits.view(a, w, -1).add_(vocab.bias)
         beams = rows.beams
         eos = self.model.config.eos_id
-        ids = None if vocab is None else vocab.ids
-        back, tokens = beams.advance(logits.view(a, w, -1), self.steps - rows.start, alpha, eos, ids)
+        ids, bias = (None, None) if vocab is None else (vocab.ids, vocab.bias)  # each sentence's own candidates only
+        back, tokens = beams.advance(logits.view(a, w, -1), self.steps - rows.start, alpha, eos, ids, bias)
         self.steps += 1
         truncated = [i for i, stop in enumerate(rows.stop_host) if stop <= self.steps]  # at the limit
         if truncated:

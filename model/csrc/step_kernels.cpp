@@ -229,8 +229,129 @@ torch::Tensor add_norm_(torch::Tensor x, const torch::Tensor& y, const torch::Te
   return x;
 }
 
+namespace {
+
+// The k largest of n values (ties: the earlier index first), best first, into value/index.
+// The first k values fill the list; a later one enters only when strictly larger than its last.
+template <typename Value>
+inline void top_k(int64_t n, int64_t k, Value value, float* best, int64_t* index) {
+  int64_t filled = 0;
+  for (int64_t j = 0; j < n; j++) {
+    const float x = value(j);
+    if (filled == k && !(x > best[k - 1])) continue;
+    int64_t at = filled < k ? filled++ : k - 1;
+    while (at > 0 && x > best[at - 1]) {
+      best[at] = best[at - 1];
+      index[at] = index[at - 1];
+      at--;
+    }
+    best[at] = x;
+    index[at] = j;
+  }
+}
+
+}  // namespace
+
+// One step of beam search's bookkeeping (model.beams.Beams.advance), for the usual case: no
+// finished hypothesis among the sentences' first W rows (greedy: never one).
+// logits (A, W, C) float32 next-token logits; bias: (A, 1, C) or (A, C) added to them (a
+// shortlist's columns per sentence) or empty; scores (A, K) raw cumulative log P; finished
+// (A, K) bool; step (A,) int64 tokens so far; vocab (C,) int64 the token of each column, or
+// empty; history (A, K, T) int64 tokens chosen (greedy: written in place).
+// -> {} when some hypothesis among the first W rows is finished (the caller's general path),
+// else {scores (A, K), tokens (A, K), back-pointers (A * K) into the A * W rows (empty for
+// greedy), history (A, K, T), eos (A, K) bool, lengths (A, K) int64}.
+std::vector<torch::Tensor> advance(const torch::Tensor& logits, const torch::Tensor& bias, const torch::Tensor& scores,
+                                   const torch::Tensor& finished, const torch::Tensor& step, const torch::Tensor& vocab,
+                                   int64_t eos_id, torch::Tensor history, int64_t k) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == torch::kFloat32 && logits.dim() == 3 &&
+                  logits.is_contiguous(),
+              "logits must be a contiguous float32 (A, W, C) CPU tensor");
+  const int64_t a = logits.size(0), w = logits.size(1), c = logits.size(2);
+  TORCH_CHECK(k >= 1 && k <= c && (w == 1 || w == k), "advance: ", w, " rows per sentence for a beam of ", k);
+  TORCH_CHECK(scores.scalar_type() == torch::kFloat32 && scores.dim() == 2 && scores.size(0) == a && scores.size(1) == k,
+              "scores must be float32 (A, K)");
+  TORCH_CHECK(finished.scalar_type() == torch::kBool && finished.sizes() == scores.sizes(), "finished must be bool (A, K)");
+  TORCH_CHECK(step.scalar_type() == torch::kInt64 && step.numel() == a, "step must be int64 (A,)");
+  TORCH_CHECK(history.scalar_type() == torch::kInt64 && history.dim() == 3 && history.size(0) == a &&
+                  history.size(1) == k && history.is_contiguous(),
+              "history must be a contiguous int64 (A, K, T) tensor");
+  const bool mapped = vocab.numel() > 0, biased = bias.numel() > 0;
+  TORCH_CHECK(!mapped || (vocab.scalar_type() == torch::kInt64 && vocab.numel() == c && vocab.is_contiguous()),
+              "vocab must be int64 (C,)");
+  TORCH_CHECK(!biased || (bias.scalar_type() == torch::kFloat32 && bias.size(0) == a && bias.size(-1) == c &&
+                          bias.stride(-1) == 1 && bias.numel() == a * c),
+              "bias must be float32 (A, C) or (A, 1, C) with contiguous rows");
+  const auto sc = scores.contiguous();
+  const auto fin = finished.contiguous();
+  const auto st = step.contiguous();
+  const bool* f = fin.data_ptr<bool>();
+  if (k > 1) {
+    for (int64_t i = 0; i < a; i++) {
+      for (int64_t j = 0; j < w; j++) {
+        if (f[i * k + j]) return {};
+      }
+    }
+  }
+  const int64_t t = history.size(2);
+  const float* x = logits.data_ptr<float>();
+  const float* b = biased ? bias.data_ptr<float>() : nullptr;
+  const int64_t b0 = biased ? bias.stride(0) : 0;
+  const float* s = sc.data_ptr<float>();
+  const int64_t* steps = st.data_ptr<int64_t>();
+  const int64_t* ids = mapped ? vocab.data_ptr<int64_t>() : nullptr;
+  auto out_scores = torch::empty({a, k}, scores.options());
+  auto out_tokens = torch::empty({a, k}, step.options());
+  auto out_eos = torch::empty({a, k}, finished.options());
+  auto out_length = torch::empty({a, k}, step.options());
+  auto out_back = torch::empty({k > 1 ? a * k : 0}, step.options());
+  auto out_history = k > 1 ? torch::empty_like(history) : history;
+  for (int64_t i = 0; i < a; i++) TORCH_CHECK(steps[i] >= 0 && steps[i] < t, "history has no room at step ", steps[i]);
+  float* os = out_scores.data_ptr<float>();
+  int64_t* ot = out_tokens.data_ptr<int64_t>();
+  bool* oe = out_eos.data_ptr<bool>();
+  int64_t* ol = out_length.data_ptr<int64_t>();
+  int64_t* ob = out_back.data_ptr<int64_t>();
+  const int64_t* h = history.data_ptr<int64_t>();
+  int64_t* oh = out_history.data_ptr<int64_t>();
+  at::parallel_for(0, a, std::max<int64_t>(1, kGrainWork / (w * c)), [&](int64_t begin, int64_t end) {
+    std::vector<float> row_best(w * k), best(k);
+    std::vector<int64_t> row_index(w * k), index(k);
+    for (int64_t i = begin; i < end; i++) {
+      const float* bi = biased ? b + i * b0 : nullptr;
+      for (int64_t r = 0; r < w; r++) {  // each row: log-softmax, then its k best columns
+        const float* xr = x + (i * w + r) * c;
+        auto value = [xr, bi](int64_t j) { return bi ? xr[j] + bi[j] : xr[j]; };
+        float top = -INFINITY;
+        for (int64_t j = 0; j < c; j++) top = std::max(top, value(j));
+        float sum = 0.f;
+        for (int64_t j = 0; j < c; j++) sum += std::exp(value(j) - top);
+        const float log_sum = std::log(sum);
+        top_k(c, k, value, &row_best[r * k], &row_index[r * k]);
+        for (int64_t j = 0; j < k; j++) row_best[r * k + j] = (row_best[r * k + j] - top) - log_sum + s[i * k + r];
+      }
+      top_k(w * k, k, [&](int64_t j) { return row_best[j]; }, best.data(), index.data());
+      for (int64_t j = 0; j < k; j++) {
+        const int64_t column = row_index[index[j]], beam = index[j] / k;
+        const int64_t token = mapped ? ids[column] : column;
+        os[i * k + j] = best[j];
+        ot[i * k + j] = token;
+        oe[i * k + j] = token == eos_id;
+        ol[i * k + j] = steps[i] + 1;
+        if (k > 1) {
+          ob[i * k + j] = i * w + beam;
+          std::copy(h + (i * k + beam) * t, h + (i * k + beam + 1) * t, oh + (i * k + j) * t);
+        }
+        oh[(i * k + j) * t + steps[i]] = token;
+      }
+    }
+  });
+  return {out_scores, out_tokens, out_back, out_history, out_eos, out_length};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("self_attend", &self_attend, "self-attention of one decoder step (writes the cache)");
   m.def("cross_attend", &cross_attend, "cross-attention of one decoder step");
   m.def("add_norm_", &add_norm_, "x = LayerNorm(x + y), in place");
+  m.def("advance", &advance, "one step of beam search's bookkeeping (no finished hypothesis)");
 }

@@ -7,13 +7,40 @@ import torch
 
 from bench import naive
 from model.beams import TOP_K_BLOCK, top_k
+from model import fused, kernels
 from model.data import pad
 from model.decoding import DecodeSession, DecodingOptions, decode, decode_stream
 from model.step import DecoderStep, EncoderPass
-from tests.factories import V, assert_steps_match, make_model
+from model.transformer import Transformer
+from tests.conftest import require
+from tests.factories import V, assert_steps_match
+from tests.factories import make_model as make_plain_model
 
 # A vocabulary large enough for decoding's blocked top-k on the CPU (V = 60 uses torch.topk).
 BIG_V = 40 * TOP_K_BLOCK + 17
+
+
+STEP_KERNELS = kernels.fused_variant(kernels.detected())
+_kernels_of_this_run: dict[str, str | None] = {"variant": None}
+
+
+@pytest.fixture(autouse=True, params=["tensor-ops", "fused"])
+def step_kernels(request: pytest.FixtureRequest) -> str | None:
+    """Every test here twice: the decoder step and beam bookkeeping on torch's tensor operations,
+    and on the fused kernels (``model.fused``) this CPU runs."""
+    variant = None
+    if request.param == "fused":
+        require(fused.load(STEP_KERNELS) is not None, f"the fused step kernels ({STEP_KERNELS}) do not build here")
+        variant = STEP_KERNELS
+    _kernels_of_this_run["variant"] = variant
+    return variant
+
+
+def make_model(seed: int = 0, vocab: int = V, **overrides: object) -> Transformer:
+    """``tests.factories.make_model``, on the step kernels of the running parametrization."""
+    model = make_plain_model(seed, vocab, **overrides)
+    model.fused_step = _kernels_of_this_run["variant"]
+    return model
 
 
 def sources(n: int, seed: int = 1, min_len: int = 2, max_len: int = 12, vocab: int = V) -> list[list[int]]:
