@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from bench import naive
-from model.beams import TOP_K_BLOCK, top_k
 from model import fused, kernels
+from model.beams import TOP_K_BLOCK, top_k
 from model.data import pad
 from model.decoding import DecodeSession, DecodingOptions, decode, decode_stream
 from model.step import DecoderStep, EncoderPass
