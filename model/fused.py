@@ -40,7 +40,9 @@ FLAGS: dict[str, list[str]] = {
     "avx2": ["-mavx2", "-mfma"],
     "baseline": [],
 }
-COMMON_FLAGS = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for's OpenMP and the `omp simd` loops
+# -fopenmp: at::parallel_for's OpenMP and the `omp simd` loops; -fno-trapping-math: lets the
+# compiler vectorize loops with float comparisons in them (the kernels never read FP exceptions)
+COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 namespace {
@@ -63,32 +64,64 @@ inline float total(const float* x, int64_t n, float shift) {
   return s;
 }
 
+// the largest of x[0..n) (-inf for none), lane by lane so that it vectorizes
+inline float maximum(const float* x, int64_t n) {
+  float acc[kLanes];
+  std::fill(acc, acc + kLanes, -INFINITY);
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) {
+    for (int64_t l = 0; l < kLanes; l++) acc[l] = std::max(acc[l], x[d + l]);
+  }
+  float top = -INFINITY;
+  for (int64_t l = 0; l < kLanes; l++) top = std::max(top, acc[l]);
+  for (; d < n; d++) top = std::max(top, x[d]);
+  return top;
+}
+
+// e^x for x <= 0 (softmax's shifted scores; 0 below -87, and for -inf), to ~1 ulp: Cody-Waite
+// reduction and Cephes' polynomial. Plain arithmetic, so the compiler vectorizes the loops that
+// call it, and a value comes out the same in a vector lane as in a scalar remainder (libm's expf
+// is a call per element; its vector forms may round differently from its scalar one).
+inline float exp_nonpositive(float x) {
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(x < -87.f ? 0.f : n) + 127) << 23;
+  return x < -87.f ? 0.f : e * __builtin_bit_cast(float, bits);
+}
+
+// p[j] = e^(p[j] - top) for j < n -> their sum (in ``total``'s fixed order)
+inline float exp_shifted(float* p, int64_t n, float top) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; j++) p[j] = exp_nonpositive(p[j] - top);
+  return total<false>(p, n, 0.f);
+}
+
 inline void axpy(float w, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t d = 0; d < n; d++) y[d] += w * x[d];
 }
 
-// One query (Dh) over keys/values k[j * ks], v[j * vs] (j < n, `visible(j)` true), softmax
-// weights in `p` (n floats), the weighted sum of values into out (Dh).
+// One query (Dh) over keys/values k[j * ks], v[j * vs] (j < n, those with `visible(j)` false
+// left out), softmax weights in `p` (n floats), the weighted sum of values into out (Dh).
 template <typename Visible>
 inline void attend_one(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t n,
                        int64_t dh, float scale, Visible visible, float* p, float* out) {
   float top = -INFINITY;
   for (int64_t j = 0; j < n; j++) {
-    if (!visible(j)) continue;
-    p[j] = dot(q, k + j * ks, dh) * scale;
+    p[j] = visible(j) ? dot(q, k + j * ks, dh) * scale : -INFINITY;
     top = std::max(top, p[j]);
   }
-  float sum = 0.f;
-  for (int64_t j = 0; j < n; j++) {
-    if (!visible(j)) continue;
-    p[j] = std::exp(p[j] - top);
-    sum += p[j];
-  }
-  const float inv = 1.f / sum;
+  const float inv = 1.f / exp_shifted(p, n, top);
   std::fill(out, out + dh, 0.f);
   for (int64_t j = 0; j < n; j++) {
-    if (visible(j)) axpy(p[j] * inv, v + j * vs, out, dh);
+    if (p[j] != 0.f) axpy(p[j] * inv, v + j * vs, out, dh);
   }
 }
 
@@ -315,19 +348,20 @@ std::vector<torch::Tensor> advance(const torch::Tensor& logits, const torch::Ten
   const int64_t* h = history.data_ptr<int64_t>();
   int64_t* oh = out_history.data_ptr<int64_t>();
   at::parallel_for(0, a, std::max<int64_t>(1, kGrainWork / (w * c)), [&](int64_t begin, int64_t end) {
-    std::vector<float> row_best(w * k), best(k);
+    std::vector<float> row(c), row_best(w * k), best(k);
     std::vector<int64_t> row_index(w * k), index(k);
     for (int64_t i = begin; i < end; i++) {
       const float* bi = biased ? b + i * b0 : nullptr;
       for (int64_t r = 0; r < w; r++) {  // each row: log-softmax, then its k best columns
         const float* xr = x + (i * w + r) * c;
-        auto value = [xr, bi](int64_t j) { return bi ? xr[j] + bi[j] : xr[j]; };
-        float top = -INFINITY;
-        for (int64_t j = 0; j < c; j++) top = std::max(top, value(j));
-        float sum = 0.f;
-        for (int64_t j = 0; j < c; j++) sum += std::exp(value(j) - top);
-        const float log_sum = std::log(sum);
-        top_k(c, k, value, &row_best[r * k], &row_index[r * k]);
+        if (bi != nullptr) {
+          for (int64_t j = 0; j < c; j++) row[j] = xr[j] + bi[j];
+        } else {
+          std::copy(xr, xr + c, row.data());
+        }
+        const float top = maximum(row.data(), c);
+        top_k(c, k, [&row](int64_t j) { return row[j]; }, &row_best[r * k], &row_index[r * k]);
+        const float log_sum = std::log(exp_shifted(row.data(), c, top));
         for (int64_t j = 0; j < k; j++) row_best[r * k + j] = (row_best[r * k + j] - top) - log_sum + s[i * k + r];
       }
       top_k(w * k, k, [&](int64_t j) { return row_best[j]; }, best.data(), index.data());
