@@ -141,20 +141,20 @@ class Beams:
         microseconds of dispatch, so the common cases take shorter paths: greedy search (one
         row per sentence, never finished here: a sentence leaves the step it ends) and beams
         with no finished hypothesis (the usual state until the first EOS), which need none of
-        the finished hypotheses' bookkeeping; with the fused kernels, those cases are one call.
+        the finished hypotheses' bookkeeping. The fused kernels (``model.fused``) do it all in
+        one call, by the same rules.
         """
         a, w, columns = logits.shape
         k = self.k
-        if self.kernels is not None:
+        if self.kernels is not None:  # all of it in one call
             empty = _EMPTY[logits.device]
+            state = (self.scores, self.length, self.finished, self.eos, self.history)
             done = self.kernels.advance(
-                logits, empty[0] if bias is None else bias, self.scores, self.finished, step,
-                empty[1] if vocab is None else vocab, eos_id, self.history, k,
+                logits, empty[0] if bias is None else bias, empty[1] if vocab is None else vocab, step, *state,
+                alpha, eos_id, self.pad_id,
             )  # fmt: skip
-            if done:  # else a finished hypothesis is among the rows: the general path below
-                self.scores, tok, back, self.history, self.eos, self.length = done
-                self.finished = self.eos
-                return (back if k > 1 else None), tok
+            self.scores, tok, back, self.history, self.eos, self.length, self.finished = done
+            return (back if k > 1 else None), tok
         if bias is not None:
             logits.add_(bias)
         logp = torch.log_softmax(logits, dim=-1, out=logits).view(a * w, columns)  # in place: no second (R, V) buffer

@@ -285,26 +285,36 @@ inline void top_k(int64_t n, int64_t k, Value value, float* best, int64_t* index
 
 }  // namespace
 
-// One step of beam search's bookkeeping (model.beams.Beams.advance), for the usual case: no
-// finished hypothesis among the sentences' first W rows (greedy: never one).
-// logits (A, W, C) float32 next-token logits; bias: (A, 1, C) or (A, C) added to them (a
-// shortlist's columns per sentence) or empty; scores (A, K) raw cumulative log P; finished
-// (A, K) bool; step (A,) int64 tokens so far; vocab (C,) int64 the token of each column, or
-// empty; history (A, K, T) int64 tokens chosen (greedy: written in place).
-// -> {} when some hypothesis among the first W rows is finished (the caller's general path),
-// else {scores (A, K), tokens (A, K), back-pointers (A * K) into the A * W rows (empty for
-// greedy), history (A, K, T), eos (A, K) bool, lengths (A, K) int64}.
-std::vector<torch::Tensor> advance(const torch::Tensor& logits, const torch::Tensor& bias, const torch::Tensor& scores,
-                                   const torch::Tensor& finished, const torch::Tensor& step, const torch::Tensor& vocab,
-                                   int64_t eos_id, torch::Tensor history, int64_t k) {
+// GNMT's length penalty ((5 + n) / 6) ** alpha, in float32 as model.beams.length_penalty
+inline float length_penalty(int64_t n, float alpha) {
+  return alpha == 0.f ? 1.f : std::pow((5.f + static_cast<float>(n)) / 6.f, alpha);
+}
+
+// One step of beam search's bookkeeping: model.beams.Beams.advance, the same rules.
+// logits (A, W, C) float32 next-token logits of each sentence's first W rows (W = 1 at a batch's
+// first step, else K); bias: (A, 1, C) or (A, C) added to them (a shortlist's columns per
+// sentence) or empty; vocab (C,) int64 the token of each column, or empty; step (A,) int64
+// tokens so far; the beams' state (A, K): scores (raw cumulative log P, float32), lengths
+// (int64), finished and eos (bool), history (A, K, T) int64 (greedy: written in place).
+// -> {scores, tokens, back-pointers (A * K) into the A * W rows (empty for greedy), history,
+// eos, lengths, finished}, the beams' next state. Greedy search (K = 1) never sees a finished row.
+std::vector<torch::Tensor> advance(const torch::Tensor& logits, const torch::Tensor& bias, const torch::Tensor& vocab,
+                                   const torch::Tensor& step, const torch::Tensor& scores, const torch::Tensor& lengths,
+                                   const torch::Tensor& finished, const torch::Tensor& eos, torch::Tensor history,
+                                   double alpha, int64_t eos_id, int64_t pad_id) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == torch::kFloat32 && logits.dim() == 3 &&
                   logits.is_contiguous(),
               "logits must be a contiguous float32 (A, W, C) CPU tensor");
-  const int64_t a = logits.size(0), w = logits.size(1), c = logits.size(2);
+  const int64_t a = logits.size(0), w = logits.size(1), c = logits.size(2), k = scores.size(-1);
   TORCH_CHECK(k >= 1 && k <= c && (w == 1 || w == k), "advance: ", w, " rows per sentence for a beam of ", k);
-  TORCH_CHECK(scores.scalar_type() == torch::kFloat32 && scores.dim() == 2 && scores.size(0) == a && scores.size(1) == k,
+  TORCH_CHECK(scores.scalar_type() == torch::kFloat32 && scores.dim() == 2 && scores.size(0) == a,
               "scores must be float32 (A, K)");
-  TORCH_CHECK(finished.scalar_type() == torch::kBool && finished.sizes() == scores.sizes(), "finished must be bool (A, K)");
+  TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.dim() == 2 && lengths.size(0) == a &&
+                  (lengths.size(1) == k || lengths.size(1) == 1),
+              "lengths must be int64 (A, K) or (A, 1)");
+  TORCH_CHECK(finished.scalar_type() == torch::kBool && eos.scalar_type() == torch::kBool &&
+                  finished.sizes() == scores.sizes() && eos.sizes() == scores.sizes(),
+              "finished and eos must be bool (A, K)");
   TORCH_CHECK(step.scalar_type() == torch::kInt64 && step.numel() == a, "step must be int64 (A,)");
   TORCH_CHECK(history.scalar_type() == torch::kInt64 && history.dim() == 3 && history.size(0) == a &&
                   history.size(1) == k && history.is_contiguous(),
@@ -316,76 +326,86 @@ std::vector<torch::Tensor> advance(const torch::Tensor& logits, const torch::Ten
                           bias.stride(-1) == 1 && bias.numel() == a * c),
               "bias must be float32 (A, C) or (A, 1, C) with contiguous rows");
   const auto sc = scores.contiguous();
+  const auto len = lengths.expand({a, k}).contiguous();
   const auto fin = finished.contiguous();
+  const auto eo = eos.contiguous();
   const auto st = step.contiguous();
-  const bool* f = fin.data_ptr<bool>();
-  if (k > 1) {
-    for (int64_t i = 0; i < a; i++) {
-      for (int64_t j = 0; j < w; j++) {
-        if (f[i * k + j]) return {};
-      }
-    }
-  }
   const int64_t t = history.size(2);
+  const int64_t* steps = st.data_ptr<int64_t>();
+  for (int64_t i = 0; i < a; i++) TORCH_CHECK(steps[i] >= 0 && steps[i] < t, "history has no room at step ", steps[i]);
   const float* x = logits.data_ptr<float>();
   const float* b = biased ? bias.data_ptr<float>() : nullptr;
   const int64_t b0 = biased ? bias.stride(0) : 0;
   const float* s = sc.data_ptr<float>();
-  const int64_t* steps = st.data_ptr<int64_t>();
+  const int64_t* l = len.data_ptr<int64_t>();
+  const bool* f = fin.data_ptr<bool>();
+  const bool* e = eo.data_ptr<bool>();
   const int64_t* ids = mapped ? vocab.data_ptr<int64_t>() : nullptr;
   auto out_scores = torch::empty({a, k}, scores.options());
   auto out_tokens = torch::empty({a, k}, step.options());
-  auto out_eos = torch::empty({a, k}, finished.options());
+  auto out_eos = torch::empty({a, k}, eos.options());
+  auto out_finished = torch::empty({a, k}, finished.options());
   auto out_length = torch::empty({a, k}, step.options());
   auto out_back = torch::empty({k > 1 ? a * k : 0}, step.options());
   auto out_history = k > 1 ? torch::empty_like(history) : history;
-  for (int64_t i = 0; i < a; i++) TORCH_CHECK(steps[i] >= 0 && steps[i] < t, "history has no room at step ", steps[i]);
   float* os = out_scores.data_ptr<float>();
   int64_t* ot = out_tokens.data_ptr<int64_t>();
   bool* oe = out_eos.data_ptr<bool>();
+  bool* of = out_finished.data_ptr<bool>();
   int64_t* ol = out_length.data_ptr<int64_t>();
   int64_t* ob = out_back.data_ptr<int64_t>();
   const int64_t* h = history.data_ptr<int64_t>();
   int64_t* oh = out_history.data_ptr<int64_t>();
+  const float penalty_alpha = static_cast<float>(alpha);
   at::parallel_for(0, a, std::max<int64_t>(1, kGrainWork / (w * c)), [&](int64_t begin, int64_t end) {
     std::vector<float> row(c), row_best(w * k), best(k);
     std::vector<int64_t> row_index(w * k), index(k);
     for (int64_t i = begin; i < end; i++) {
       const float* bi = biased ? b + i * b0 : nullptr;
-      for (int64_t r = 0; r < w; r++) {  // each row: log-softmax, then its k best columns
-        const float* xr = x + (i * w + r) * c;
+      const float scale = length_penalty(steps[i] + 1, penalty_alpha);
+      for (int64_t r = 0; r < w; r++) {
+        float* rb = &row_best[r * k];
+        if (f[i * k + r]) {  // a finished hypothesis competes once, its normalized score in the live ones' raw scale
+          std::fill(rb, rb + k, -INFINITY);
+          rb[0] = s[i * k + r] / length_penalty(l[i * k + r], penalty_alpha) * scale;
+          continue;
+        }
+        const float* xr = x + (i * w + r) * c;  // log-softmax, then the row's k best columns
         if (bi != nullptr) {
           for (int64_t j = 0; j < c; j++) row[j] = xr[j] + bi[j];
         } else {
           std::copy(xr, xr + c, row.data());
         }
         const float top = maximum(row.data(), c);
-        top_k(c, k, [&row](int64_t j) { return row[j]; }, &row_best[r * k], &row_index[r * k]);
+        top_k(c, k, [&row](int64_t j) { return row[j]; }, rb, &row_index[r * k]);
         const float log_sum = std::log(exp_shifted(row.data(), c, top));
-        for (int64_t j = 0; j < k; j++) row_best[r * k + j] = (row_best[r * k + j] - top) - log_sum + s[i * k + r];
+        for (int64_t j = 0; j < k; j++) rb[j] = (rb[j] - top) - log_sum + s[i * k + r];
       }
       top_k(w * k, k, [&](int64_t j) { return row_best[j]; }, best.data(), index.data());
       for (int64_t j = 0; j < k; j++) {
-        const int64_t column = row_index[index[j]], beam = index[j] / k;
-        const int64_t token = mapped ? ids[column] : column;
-        os[i * k + j] = best[j];
-        ot[i * k + j] = token;
-        oe[i * k + j] = token == eos_id;
-        ol[i * k + j] = steps[i] + 1;
+        const int64_t beam = index[j] / k, from = i * k + beam, to = i * k + j;
+        const bool was_finished = f[from];
+        const int64_t column = row_index[index[j]];
+        const int64_t token = was_finished ? pad_id : (mapped ? ids[column] : column);
+        os[to] = was_finished ? s[from] : best[j];
+        ol[to] = was_finished ? l[from] : steps[i] + 1;
+        ot[to] = token;
+        oe[to] = was_finished ? e[from] : token == eos_id;
+        of[to] = was_finished || oe[to];
         if (k > 1) {
-          ob[i * k + j] = i * w + beam;
-          std::copy(h + (i * k + beam) * t, h + (i * k + beam + 1) * t, oh + (i * k + j) * t);
+          ob[to] = i * w + beam;
+          std::copy(h + from * t, h + (from + 1) * t, oh + to * t);
         }
-        oh[(i * k + j) * t + steps[i]] = token;
+        oh[to * t + steps[i]] = token;
       }
     }
   });
-  return {out_scores, out_tokens, out_back, out_history, out_eos, out_length};
+  return {out_scores, out_tokens, out_back, out_history, out_eos, out_length, out_finished};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("self_attend", &self_attend, "self-attention of one decoder step (writes the cache)");
   m.def("cross_attend", &cross_attend, "cross-attention of one decoder step");
   m.def("add_norm_", &add_norm_, "x = LayerNorm(x + y), in place");
-  m.def("advance", &advance, "one step of beam search's bookkeeping (no finished hypothesis)");
+  m.def("advance", &advance, "one step of beam search's bookkeeping");
 }
