@@ -21,7 +21,7 @@ from model import fused
 from model.beams import Beams, Hypothesis, cat_padded
 from model.cache import KVCache
 from model.shortlist import Shortlist, Vocabulary
-from model.step import DecoderStep, EncoderPass, step_dtype
+from model.step import DecoderStep, EncoderPass, bound_passes, step_dtype
 from model.transformer import Transformer
 
 
@@ -288,7 +288,7 @@ class DecodeSession:
             raise ValueError(f"{len(tags)} tags for {src.shape[0]} sentences")
         model, cfg, rows = self.model, self.model.config, self._rows
         if self._encoder is None:
-            self._encoder = EncoderPass(model)
+            self._encoder, self._decoder = bound_passes(model)
         memory, mask = self._encoder(src)  # (B, S, D), (B, 1, 1, S)
         src_lengths = mask.sum(dim=(1, 2, 3))
         limit = max_steps(src_lengths, self.options, cfg.max_tokens)  # (B,)
@@ -366,7 +366,7 @@ class DecodeSession:
         rows, alpha = self._rows, self.options.length_penalty
         a, w = len(rows), rows.width
         if self._decoder is None:
-            self._decoder = DecoderStep(self.model)
+            self._encoder, self._decoder = bound_passes(self.model)
         vocab = self._own_vocab()
         assert vocab is not None or self.shortlist is None, "the session's shortlist columns were taken over"
         step_in = (rows.tokens.reshape(-1), cache, rows.memory_mask, positions, self_mask)

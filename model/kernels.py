@@ -18,6 +18,10 @@ CPU flags. ``choose`` maps (device, precision, CPU features) to a ``KernelPlan``
 
 On CUDA every precision but int8 uses ``F.linear`` (cuBLAS); int8 there is refused.
 
+Between its matrix products the decoder step runs the fused kernels of ``model.fused`` where the
+plan names them (``KernelPlan.fused``: CPU plans with float32 activations, i.e. float32 and int8),
+built for AVX-512, AVX2 + FMA or the compiler's default instructions (``fused_variant``).
+
 Features come from /proc/cpuinfo (the hardware, which is what torch's own checks read),
 and the vendor (``vendor_id``: MKL, Intel's library, runs its fast paths on Intel CPUs only),
 narrowed by the ISA caps users set for the libraries (``ONEDNN_MAX_CPU_ISA``,

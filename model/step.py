@@ -22,6 +22,7 @@ no dropout, and weights must not change while a ``DecoderStep`` is used (build a
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -173,9 +174,10 @@ class DecoderStep:
     def _memory_bias(self, memory_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """The cross-attention bias (B*H, 1, S) of a memory mask, made again only when the
         mask is another tensor (a session replaces it when sentences join or leave)."""
-        if self._memory is None or self._memory[0] is not memory_mask:
-            self._memory = (memory_mask, additive_mask(memory_mask, self.heads, dtype))
-        return self._memory[1]
+        cached = self._memory  # (read once: a step shared by two threads' sessions stays consistent)
+        if cached is None or cached[0] is not memory_mask:
+            cached = self._memory = (memory_mask, additive_mask(memory_mask, self.heads, dtype))
+        return cached[1]
 
     def __call__(
         self,
@@ -251,9 +253,10 @@ class DecoderStep:
         fused, scale, post = self.fused, self.scale_value, not self.norm_first
         assert fused is not None
         visible = torch.empty(0, dtype=torch.bool) if self_mask is None else self_mask.reshape(x.shape[0], -1)
-        if self._memory_rows is None or self._memory_rows[0] is not memory_mask:
-            self._memory_rows = (memory_mask, memory_mask[:, 0, 0])  # (B, S) bool
-        source = self._memory_rows[1]
+        rows = self._memory_rows
+        if rows is None or rows[0] is not memory_mask:
+            rows = self._memory_rows = (memory_mask, memory_mask[:, 0, 0])  # (B, S) bool
+        source = rows[1]
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             k, v, position = layer_cache.self_attention.next_slot()
             qkv = layer.qkv(x if post else layer.self_norm(x), False)  # (R, 3D)
@@ -351,3 +354,41 @@ class EncoderPass:
         if self.final_norm is not None:
             x = self.final_norm(x)
         return x.view(b, s, d)
+
+
+# Each model's passes, bound once: a decoding session starts with them instead of binding every
+# layer again (~0.4 ms, a few percent of one sentence's decoding: docs/benchmarks.md "The fused step").
+_PASSES: weakref.WeakKeyDictionary[Transformer, _Passes] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class _Passes:
+    key: tuple[object, ...]  # what they were bound under (``_bound_under``)
+    parameters: list[nn.Parameter]
+    encoder: EncoderPass
+    decoder: DecoderStep
+
+
+def _bound_under(model: Transformer, parameters: list[nn.Parameter]) -> tuple[object, ...]:
+    return (
+        uses_kernels(_device(model)),
+        model.fused_step,
+        id(model.kernel),
+        tuple((p.data_ptr(), p._version) for p in parameters),
+    )
+
+
+def bound_passes(model: Transformer) -> tuple[EncoderPass, DecoderStep]:
+    """``model``'s ``EncoderPass`` and ``DecoderStep``, made once and handed to every decoding
+    session while what they bound is unchanged: the same kernels path (``uses_kernels``: grad
+    and autocast modes), fused kernels and linear kernel, and every parameter's storage and
+    in-place version (a training step, ``load_state_dict`` or ``model.to`` changes them; a
+    parameter replaced by a new object is not seen: build the passes yourself after that). Both
+    are safe to share: ``EncoderPass`` keeps nothing between calls, and ``DecoderStep`` caches
+    per memory mask only."""
+    cached = _PASSES.get(model)
+    if cached is None or cached.key != _bound_under(model, cached.parameters):
+        parameters = list(model.parameters())
+        cached = _Passes(_bound_under(model, parameters), parameters, EncoderPass(model), DecoderStep(model))
+        _PASSES[model] = cached
+    return cached.encoder, cached.decoder
