@@ -14,6 +14,11 @@ to its kernel once (``kernels.bind``) and runs a step as plain tensor calls, no 
   written straight into the cache;
 - heads merged by a view (``bmm``'s output is already (rows, heads x Dh)).
 
+Where the model has the fused kernels (``model.fused``: float32 activations on the CPU), each
+attention sub-layer and each post-LN residual join is one call of them instead, the matrix
+products still the bound kernels': ~25% less time a step at one sentence (docs/benchmarks.md
+"The fused step"). The same results to float rounding (tests/model/test_fused.py).
+
 The math is the network's: ``Transformer.decode`` (teacher-forced, modules) is the reference
 the tests hold it to, post-LN and pre-LN, sinusoidal and learned positions. Inference only:
 no dropout, and weights must not change while a ``DecoderStep`` is used (build a new one).
