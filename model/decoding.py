@@ -258,8 +258,8 @@ class DecodeSession:
         self.steps = 0  # decoder steps run since the session was last empty
         self._cache: KVCache | None = None
         device = next(self.model.parameters()).device
-        kernels = fused.load(self.model.fused_step) if device.type == "cpu" else None
-        self._rows = _SentenceRows(self.k, self.model.config.pad_id, device, kernels)
+        self._kernels = fused.load(self.model.fused_step) if device.type == "cpu" else None  # (model.fused)
+        self._rows = _SentenceRows(self.k, self.model.config.pad_id, device, self._kernels)
         vocab = self._own_vocab()
         if vocab is not None:
             vocab.clear()  # kept across resets: the always-candidates' rows are gathered once
@@ -303,7 +303,7 @@ class DecodeSession:
             if vocab is None:  # the first admission, or a later session took the columns over
                 vocab = self._vocab = Vocabulary(self.shortlist, model.output_matrix(), step_dtype(model))
                 vocab.claim(self)
-            vocab.join(self.shortlist.candidates_of(src, mask[:, 0, 0]))  # padding is no piece
+            vocab.join(self.shortlist.candidates_of(src, mask[:, 0, 0], self._kernels))  # padding is no piece
         assert self._cache.source_length >= rows.source_width
 
     @torch.inference_mode()

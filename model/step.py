@@ -379,7 +379,7 @@ def _bound_under(model: Transformer, parameters: list[nn.Parameter]) -> tuple[ob
         uses_kernels(_device(model)),
         model.fused_step,
         id(model.kernel),
-        tuple((p.data_ptr(), p._version) for p in parameters),
+        tuple((p.data_ptr(), -1 if p.is_inference() else p._version) for p in parameters),
     )
 
 
@@ -387,8 +387,9 @@ def bound_passes(model: Transformer) -> tuple[EncoderPass, DecoderStep]:
     """``model``'s ``EncoderPass`` and ``DecoderStep``, made once and handed to every decoding
     session while what they bound is unchanged: the same kernels path (``uses_kernels``: grad
     and autocast modes), fused kernels and linear kernel, and every parameter's storage and
-    in-place version (a training step, ``load_state_dict`` or ``model.to`` changes them; a
-    parameter replaced by a new object is not seen: build the passes yourself after that). Both
+    in-place version (a training step, ``load_state_dict`` or ``model.to`` changes them; not
+    seen: a parameter replaced by a new object, or one made in inference mode changed in place,
+    which has no version counter: build the passes yourself after that). Both
     are safe to share: ``EncoderPass`` keeps nothing between calls, and ``DecoderStep`` caches
     per memory mask only."""
     cached = _PASSES.get(model)

@@ -403,9 +403,58 @@ std::vector<torch::Tensor> advance(const torch::Tensor& logits, const torch::Ten
   return {out_scores, out_tokens, out_back, out_history, out_eos, out_length, out_finished};
 }
 
+// Each sentence's own shortlist candidates (model.shortlist.Shortlist.candidates_of): its
+// pieces and the targets associated with them, sorted and unique. sources (B, S) int64 piece ids,
+// real (B, S) bool (false: padding), offsets (V + 1,) int64 and targets (N,) integer: piece p's
+// targets are targets[offsets[p] : offsets[p + 1]]. -> B int64 tensors.
+std::vector<torch::Tensor> candidates(const torch::Tensor& sources, const torch::Tensor& real,
+                                      const torch::Tensor& offsets, const torch::Tensor& targets) {
+  TORCH_CHECK(sources.scalar_type() == torch::kInt64 && sources.dim() == 2 && real.scalar_type() == torch::kBool &&
+                  real.sizes() == sources.sizes() && offsets.scalar_type() == torch::kInt64 && offsets.dim() == 1 &&
+                  targets.dim() == 1 && sources.device().is_cpu(),
+              "candidates: sources (B, S) int64, real (B, S) bool, offsets (V + 1) int64, targets (N) on the CPU");
+  const auto src = sources.contiguous();
+  const auto rl = real.contiguous();
+  const auto off = offsets.contiguous();
+  const auto tg = targets.contiguous();
+  const int64_t b = src.size(0), s = src.size(1), v = off.numel() - 1;
+  const int64_t* sp = src.data_ptr<int64_t>();
+  const bool* rp = rl.data_ptr<bool>();
+  const int64_t* op = off.data_ptr<int64_t>();
+  std::vector<torch::Tensor> out;
+  out.reserve(b);
+  std::vector<uint8_t> mark(v);
+  AT_DISPATCH_INTEGRAL_TYPES(tg.scalar_type(), "candidates", [&] {
+    const scalar_t* tp = tg.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < b; i++) {
+      std::fill(mark.begin(), mark.end(), 0);
+      int64_t found = 0;
+      auto add = [&](int64_t id) {
+        TORCH_CHECK(id >= 0 && id < v, "candidates: piece ", id, " outside the vocabulary of ", v);
+        found += mark[id] == 0;
+        mark[id] = 1;
+      };
+      for (int64_t j = 0; j < s; j++) {
+        if (!rp[i * s + j]) continue;
+        const int64_t piece = sp[i * s + j];
+        add(piece);
+        for (int64_t t = op[piece]; t < op[piece + 1]; t++) add(static_cast<int64_t>(tp[t]));
+      }
+      auto ids = torch::empty({found}, src.options());
+      int64_t* ip = ids.data_ptr<int64_t>();
+      for (int64_t id = 0, n = 0; id < v; id++) {
+        if (mark[id]) ip[n++] = id;
+      }
+      out.push_back(ids);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("self_attend", &self_attend, "self-attention of one decoder step (writes the cache)");
   m.def("cross_attend", &cross_attend, "cross-attention of one decoder step");
   m.def("add_norm_", &add_norm_, "x = LayerNorm(x + y), in place");
   m.def("advance", &advance, "one step of beam search's bookkeeping");
+  m.def("candidates", &candidates, "each sentence's own shortlist candidates");
 }

@@ -172,3 +172,23 @@ def test_kernels_that_cannot_build_leave_the_tensor_operations(
         assert DecoderStep(model).fused is None
     again = list(decode_stream(model, pad(sources(2), 0), DecodingOptions(beam_size=2)))
     assert [d.hypotheses for d in again] == [d.hypotheses for d in reference]
+
+
+def test_shortlist_candidates_are_the_tensor_operations_ones(shipped: Path) -> None:
+    """The shipped shortlist: the kernels' candidates of padded random sources (pieces repeated
+    across and within sentences) are exactly those of the tensor operations."""
+    kernels_here = fused.load(built(kernels.fused_variant(HERE)))
+    shortlist = checkpoint.use_shortlist(checkpoint.load(shipped, "cpu", "float32"))
+    assert shortlist is not None
+    torch.manual_seed(0)
+    sources = torch.randint(4, shortlist.vocab_size, (5, 12))
+    sources[1, 3:] = sources[1, :3].repeat(3)  # repeats within a sentence
+    sources[2] = sources[0]  # and across sentences
+    real = torch.ones_like(sources, dtype=torch.bool)
+    real[3, 7:] = False  # padding
+    real[4, 1:] = False
+    fast = shortlist.candidates_of(sources, real, kernels_here)
+    plain = shortlist.candidates_of(sources, real)
+    assert len(fast) == len(plain) == 5
+    for a, b in zip(fast, plain, strict=True):
+        assert torch.equal(a, b)
