@@ -287,15 +287,16 @@ class DecodeSession:
         if len(tags) != src.shape[0]:
             raise ValueError(f"{len(tags)} tags for {src.shape[0]} sentences")
         model, cfg, rows = self.model, self.model.config, self._rows
-        if self._encoder is None:
+        if self._encoder is None or self._decoder is None:
             self._encoder, self._decoder = bound_passes(model)
         memory, mask = self._encoder(src)  # (B, S, D), (B, 1, 1, S)
+        cross_kv = self._decoder.project_memory(memory)
         src_lengths = mask.sum(dim=(1, 2, 3))
         limit = max_steps(src_lengths, self.options, cfg.max_tokens)  # (B,)
         if self._cache is None:  # one row per sentence, widened to K by the first step
-            self._cache = model.init_cache(memory, int(limit.max()))
+            self._cache = model.init_cache(memory, int(limit.max()), cross_kv)
         else:
-            self._cache.extend_memory(model.project_memory(memory))
+            self._cache.extend_memory(cross_kv)
             rows.added += src.shape[0] * rows.width
         rows.append(tags, self.steps, self.steps + limit, src_lengths.tolist(), mask, cfg.bos_id)
         if self.shortlist is not None:

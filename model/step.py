@@ -161,6 +161,11 @@ class DecoderStep:
         # The bound kernels skip autograd and autocast; anything else takes the modules' path.
         fast = uses_kernels(_device(model))
         self.layers = [_Layer.of(layer, fast) for layer in model.decoder_layers]
+        # each layer's cross-attention K/V projection, for the memory of sentences that join
+        self.cross_kv = [
+            _bound(layer.cross_attn.kv) if fast else _through_linear(layer.cross_attn.kv)
+            for layer in model.decoder_layers
+        ]
         out = model.output_matrix()
         self.output = bind(model.kernel, out, None) if fast else _through(model.kernel, out, None)
         self.final_norm = None if model.decoder_norm is None else _Norm.of(model.decoder_norm)
@@ -183,6 +188,17 @@ class DecoderStep:
         if cached is None or cached[0] is not memory_mask:
             cached = self._memory = (memory_mask, additive_mask(memory_mask, self.heads, dtype))
         return cached[1]
+
+    def project_memory(self, memory: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """memory (B, S, D) -> every layer's cross-attention K, V, each (B, H, S, Dh) and
+        contiguous: ``Transformer.project_memory`` on the bound kernels, one copy a layer."""
+        b, s, d = memory.shape
+        flat = memory.reshape(b * s, d)
+        projected = []
+        for kv in self.cross_kv:
+            both = kv(flat, False).view(b, s, 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).contiguous()
+            projected.append((both[0], both[1]))  # (B, H, S, Dh) each
+        return projected
 
     def __call__(
         self,

@@ -270,11 +270,15 @@ class Transformer(nn.Module):
         """memory (B, S, D) -> every decoder layer's cross-attention K, V, each (B, H, S, Dh)."""
         return [layer.cross_attn.project_memory(memory) for layer in self.decoder_layers]
 
-    def init_cache(self, memory: torch.Tensor, capacity: int) -> KVCache:
-        """Project the memory (B, S, D) to every layer's cross K/V once; room for capacity steps
-        of B rows (beam search widens it to B * width rows, which share their sentence's cross K/V)."""
+    def init_cache(
+        self, memory: torch.Tensor, capacity: int, cross_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> KVCache:
+        """Project the memory (B, S, D) to every layer's cross K/V once (``cross_kv``: already
+        projected, as ``project_memory`` would); room for capacity steps of B rows (beam search
+        widens it to B * width rows, which share their sentence's cross K/V)."""
         spare = Spare()  # one reorder buffer for every layer's self-attention K and V
-        return KVCache([LayerCache(kv, capacity, spare) for kv in self.project_memory(memory)])
+        kvs = self.project_memory(memory) if cross_kv is None else cross_kv
+        return KVCache([LayerCache(kv, capacity, spare) for kv in kvs])
 
     def decode(
         self,

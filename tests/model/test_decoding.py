@@ -369,3 +369,19 @@ def test_an_emptied_session_starts_over() -> None:
             got.update({d.tag: d.hypotheses for d in session.step()})
         assert [got[t] for t in (7, 8, 9)] == expected
         assert session.steps == 0
+
+
+@pytest.mark.parametrize("inference", [True, False], ids=["bound-kernels", "module-linears"])
+def test_the_step_projects_the_memory_as_the_modules_do(inference: bool) -> None:
+    """``DecoderStep.project_memory`` (what sessions admit sentences with) = the modules' cross
+    K/V projection, contiguous (B, H, S, Dh) for every layer."""
+    model = make_model(seed=9)
+    memory = torch.randn(3, 7, model.config.d_model)
+    with torch.inference_mode(inference):
+        expected = model.project_memory(memory)
+        got = DecoderStep(model).project_memory(memory)
+    assert len(got) == len(expected) == model.config.decoder_layers
+    for (k, v), (ek, ev) in zip(got, expected, strict=True):
+        assert k.is_contiguous() and v.is_contiguous() and k.shape == ek.shape == (3, 4, 7, 8)
+        torch.testing.assert_close(k, ek, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(v, ev, atol=1e-6, rtol=1e-6)
