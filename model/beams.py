@@ -94,6 +94,8 @@ class Beams:
         """``kernels``: the fused step kernels (``model.fused``), whose ``advance`` does the usual
         case of a step's bookkeeping in one call; None: tensor operations throughout."""
         self.k, self.pad_id, self.kernels = k, pad_id, kernels
+        # after ``advance`` on the kernels: the sentences all of whose hypotheses are finished (None: not known)
+        self.done: list[int] | None = None
         self.scores = torch.zeros(0, k, device=device)  # raw cumulative log P, (A, K)
         self.length = torch.zeros(0, k, dtype=torch.long, device=device)  # tokens, EOS included
         self.finished = torch.zeros(0, k, dtype=torch.bool, device=device)
@@ -153,8 +155,10 @@ class Beams:
                 logits, empty[0] if bias is None else bias, empty[1] if vocab is None else vocab, step, *state,
                 alpha, eos_id, self.pad_id,
             )  # fmt: skip
-            self.scores, tok, back, self.history, self.eos, self.length, self.finished = done
+            state, self.done = done
+            self.scores, tok, back, self.history, self.eos, self.length, self.finished = state
             return (back if k > 1 else None), tok
+        self.done = None
         if bias is not None:
             logits.add_(bias)
         logp = torch.log_softmax(logits, dim=-1, out=logits).view(a * w, columns)  # in place: no second (R, V) buffer

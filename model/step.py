@@ -223,13 +223,14 @@ class DecoderStep:
             where = self.positions[length]  # (D,)
         else:
             where = self.positions[positions]  # (R, D)
-        embedded = F.embedding(tokens, self.tokens)
-        if embedded.dtype != where.dtype:  # a float16 lookup table (checkpoint.release_output_projection)
-            embedded = embedded.to(where.dtype)
-        x = torch.add(where, embedded, alpha=self.embed_scale)  # (R, D)
         if self.fused is not None:
+            x = self.fused.embed(tokens, self.tokens, where, self.embed_scale)  # (R, D)
             x = self._fused_layers(x, cache, memory_mask, self_mask)
         else:
+            embedded = F.embedding(tokens, self.tokens)
+            if embedded.dtype != where.dtype:  # a float16 lookup table (checkpoint.release_output_projection)
+                embedded = embedded.to(where.dtype)
+            x = torch.add(where, embedded, alpha=self.embed_scale)  # (R, D)
             x = self._layers(x, cache, memory_mask, self_mask)
         if self.final_norm is not None:
             x = self.final_norm(x)

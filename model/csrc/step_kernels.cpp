@@ -296,9 +296,10 @@ inline float length_penalty(int64_t n, float alpha) {
 // sentence) or empty; vocab (C,) int64 the token of each column, or empty; step (A,) int64
 // tokens so far; the beams' state (A, K): scores (raw cumulative log P, float32), lengths
 // (int64), finished and eos (bool), history (A, K, T) int64 (greedy: written in place).
-// -> {scores, tokens, back-pointers (A * K) into the A * W rows (empty for greedy), history,
-// eos, lengths, finished}, the beams' next state. Greedy search (K = 1) never sees a finished row.
-std::vector<torch::Tensor> advance(const torch::Tensor& logits, const torch::Tensor& bias, const torch::Tensor& vocab,
+// -> ({scores, tokens, back-pointers (A * K) into the A * W rows (empty for greedy), history,
+// eos, lengths, finished}: the beams' next state, [the sentences all of whose hypotheses are
+// finished now]). Greedy search (K = 1) never sees a finished row.
+std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch::Tensor& logits, const torch::Tensor& bias, const torch::Tensor& vocab,
                                    const torch::Tensor& step, const torch::Tensor& scores, const torch::Tensor& lengths,
                                    const torch::Tensor& finished, const torch::Tensor& eos, torch::Tensor history,
                                    double alpha, int64_t eos_id, int64_t pad_id) {
@@ -400,7 +401,11 @@ std::vector<torch::Tensor> advance(const torch::Tensor& logits, const torch::Ten
       }
     }
   });
-  return {out_scores, out_tokens, out_back, out_history, out_eos, out_length, out_finished};
+  std::vector<int64_t> done;  // sentences whose every hypothesis is finished now
+  for (int64_t i = 0; i < a; i++) {
+    if (std::all_of(of + i * k, of + (i + 1) * k, [](bool x) { return x; })) done.push_back(i);
+  }
+  return {{out_scores, out_tokens, out_back, out_history, out_eos, out_length, out_finished}, done};
 }
 
 // Each sentence's own shortlist candidates (model.shortlist.Shortlist.candidates_of): its
@@ -451,10 +456,40 @@ std::vector<torch::Tensor> candidates(const torch::Tensor& sources, const torch:
   return out;
 }
 
+// A decoder step's input: x[r] = positions[r or 0] + scale * table[tokens[r]], float32. tokens
+// (R,) int64; table (V, D) float32 or float16 (a lookup table kept in float16 where exact);
+// positions (D,) shared by every row, or (R, D) one per row.
+torch::Tensor embed(const torch::Tensor& tokens, const torch::Tensor& table, const torch::Tensor& positions,
+                    double scale) {
+  TORCH_CHECK(tokens.scalar_type() == torch::kInt64 && tokens.dim() == 1 && table.dim() == 2 && table.is_contiguous() &&
+                  positions.scalar_type() == torch::kFloat32 && positions.is_contiguous() && tokens.device().is_cpu(),
+              "embed: tokens (R) int64, a contiguous (V, D) table, float32 positions");
+  const int64_t r = tokens.size(0), v = table.size(0), d = table.size(1);
+  const bool shared = positions.dim() == 1;
+  TORCH_CHECK(positions.size(-1) == d && (shared || positions.size(0) == r), "embed: positions do not match");
+  const auto tk = tokens.contiguous();
+  const int64_t* tp = tk.data_ptr<int64_t>();
+  const float* pp = positions.data_ptr<float>();
+  auto out = torch::empty({r, d}, positions.options());
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  AT_DISPATCH_FLOATING_TYPES_AND_HALF(table.scalar_type(), "embed", [&] {
+    const scalar_t* table_p = table.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < r; i++) {
+      TORCH_CHECK(tp[i] >= 0 && tp[i] < v, "embed: token ", tp[i], " outside the table of ", v);
+      const scalar_t* row = table_p + tp[i] * d;
+      const float* where = shared ? pp : pp + i * d;
+      for (int64_t j = 0; j < d; j++) op[i * d + j] = where[j] + sc * static_cast<float>(row[j]);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("self_attend", &self_attend, "self-attention of one decoder step (writes the cache)");
   m.def("cross_attend", &cross_attend, "cross-attention of one decoder step");
   m.def("add_norm_", &add_norm_, "x = LayerNorm(x + y), in place");
   m.def("advance", &advance, "one step of beam search's bookkeeping");
   m.def("candidates", &candidates, "each sentence's own shortlist candidates");
+  m.def("embed", &embed, "a decoder step's input: position + scale * token embedding");
 }
