@@ -381,8 +381,9 @@ class DecodeSession:
         truncated = [i for i, stop in enumerate(rows.stop_host) if stop <= self.steps]  # at the limit
         if truncated:
             beams.truncate(truncated)
-        done = beams.done  # known on the host after the kernels' advance
-        self._done = None if done is None else sorted(set(done).union(truncated)) if truncated else done
+        self._done = beams.done  # known on the host after the kernels' advance (else None)
+        if self._done is not None and truncated:
+            self._done = sorted(set(self._done).union(truncated))
         rows.tokens = tokens  # (A, K): every sentence has K rows from now on
         if back is not None:  # greedy rows stay in place
             rows.gather = back
