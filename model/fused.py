@@ -3,21 +3,26 @@ use, loaded from torch's extension cache afterwards, and optional.
 
 A decoder step at one sentence spends more time dispatching the small operations between its
 matrix products than computing them (docs/benchmarks.md "The fused step"). The C++ file does
-each attention sub-layer (cache write, scores, softmax, weighted sum, heads merged) in one call
-and each post-LN residual join in another; ``model.step.DecoderStep`` uses them when the model
-has them (``Transformer.step_kernels``), and its own tensor operations otherwise, with the same
-results to float rounding (tests/model/test_fused.py).
+each of them in one call: a step's input embedding, each attention sub-layer (cache write,
+scores, softmax, weighted sum, heads merged), each post-LN residual join, a step of beam
+search's bookkeeping (``model.beams.Beams.advance``) and the shortlist's candidates of joining
+sentences. ``model.step.DecoderStep``, ``Beams`` and ``DecodeSession`` use them when the model
+names them (``Transformer.fused_step``), and their own tensor operations otherwise, with the
+same results to float rounding (tests/model/test_fused.py, and tests/model/test_decoding.py on
+both paths).
 
 The variant is part of the kernel plan (``kernels.choose`` -> ``KernelPlan.fused``): compiled
-for AVX-512, AVX2 + FMA or no vector extension beyond the compiler's default, from the CPU's
-reported features (and the ISA caps, like every other kernel choice). Building needs a C++
-compiler (torch's ``cpp_extension``: g++ and ninja, ~20-40 s once per variant and torch
-version); where it cannot build or load, ``load`` logs why once and returns None, and decoding
-runs on the tensor operations. ``TRANSLATOR_FUSED_STEP=off`` turns the kernels off.
+for AVX-512, AVX2 + FMA or the compiler's default instructions, from the CPU's reported features
+and the ISA caps, like every other kernel choice; cached under a name that carries a hash of the
+source. Building needs a C++ compiler (torch's ``cpp_extension``: g++, and ninja, a dependency):
+~20-40 s once per variant and source version. Where it cannot build or load, ``load`` logs why
+once and returns None, and decoding runs on the tensor operations. ``TRANSLATOR_FUSED_STEP=off``
+turns the kernels off.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -78,6 +83,12 @@ def _find_ninja() -> None:
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+def _source_digest() -> str:
+    """A short hash of the C++ source: each version of it builds and caches under its own name,
+    so two checkouts (or an upgrade) on one machine never load each other's build."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+
+
 def _build(variant: str) -> ModuleType | None:
     if variant not in FLAGS:
         raise ValueError(f"unknown fused-step variant {variant!r}; one of {', '.join(FLAGS)}")
@@ -87,7 +98,7 @@ def _build(variant: str) -> ModuleType | None:
         from torch.utils import cpp_extension
 
         module = cpp_extension.load(
-            name=f"translator_step_{variant}",
+            name=f"translator_step_{variant}_{_source_digest()}",
             sources=[str(SOURCE)],
             extra_cflags=[*COMMON_FLAGS, *FLAGS[variant]],
             verbose=False,
