@@ -49,7 +49,7 @@ class Settings(BaseSettings):
         True,
         description="float32 and int8 on the CPU: run the decoder step's attention and layer norms on the fused C++ "
         "kernels (model/fused.py; built once per CPU variant with the system's C++ compiler, ~20-40 s, cached): "
-        "~20% faster at one sentence; false, or no compiler: torch's tensor operations",
+        "about a quarter less time a sentence one at a time; false, or no compiler: torch's tensor operations",
     )
     host: str = Field("0.0.0.0", description="address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")

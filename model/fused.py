@@ -83,6 +83,21 @@ def _find_ninja() -> None:
     os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
+# A build takes well under a minute; a lock file older than this was left by a build that was
+# killed, and torch's builder would wait for it forever (a service that never became ready).
+STALE_LOCK_S = 600.0
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return  # no lock: nobody is building
+    if age > STALE_LOCK_S:
+        log.warning("removing %s, left %.0f s ago by a build that did not finish", lock.name, age)
+        lock.unlink(missing_ok=True)
+
+
 def _source_digest() -> str:
     """A short hash of the C++ source: each version of it builds and caches under its own name,
     so two checkouts (or an upgrade) on one machine never load each other's build."""
@@ -94,11 +109,13 @@ def _build(variant: str) -> ModuleType | None:
         raise ValueError(f"unknown fused-step variant {variant!r}; one of {', '.join(FLAGS)}")
     start = time.perf_counter()
     _find_ninja()
+    name = f"translator_step_{variant}_{_source_digest()}"
     try:
         from torch.utils import cpp_extension
 
+        _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
         module = cpp_extension.load(
-            name=f"translator_step_{variant}_{_source_digest()}",
+            name=name,
             sources=[str(SOURCE)],
             extra_cflags=[*COMMON_FLAGS, *FLAGS[variant]],
             verbose=False,

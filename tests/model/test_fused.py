@@ -192,3 +192,21 @@ def test_shortlist_candidates_are_the_tensor_operations_ones(shipped: Path) -> N
     assert len(fast) == len(plain) == 5
     for a, b in zip(fast, plain, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """torch's builder waits for its lock file forever: one older than any build is removed
+    (with a warning), a fresh one (a build under way) is left alone."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    fused._clear_stale_lock(lock)
+    assert lock.exists()
+    old = time.time() - fused.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger="model.fused"):
+        fused._clear_stale_lock(lock)
+    assert not lock.exists() and "did not finish" in caplog.text
+    fused._clear_stale_lock(lock)  # no lock: nothing to do
