@@ -109,9 +109,10 @@ def _build(variant: str) -> ModuleType | None:
         raise ValueError(f"unknown fused-step variant {variant!r}; one of {', '.join(FLAGS)}")
     start = time.perf_counter()
     _find_ninja()
-    name = f"translator_step_{variant}_{_source_digest()}"
     try:
         from torch.utils import cpp_extension
+
+        name = f"translator_step_{variant}_{_source_digest()}"  # (no source in an install without it: logged)
 
         _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
         module = cpp_extension.load(

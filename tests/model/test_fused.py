@@ -210,3 +210,16 @@ def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path: Path, caplog: pytest
         fused._clear_stale_lock(lock)
     assert not lock.exists() and "did not finish" in caplog.text
     fused._clear_stale_lock(lock)  # no lock: nothing to do
+
+
+def test_an_install_without_the_source_leaves_the_tensor_operations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A package installed without model/csrc (say, by a packager that drops data files): a
+    warning, no kernels, no crash."""
+    monkeypatch.setattr(fused, "SOURCE", tmp_path / "missing.cpp")
+    monkeypatch.setitem(fused.FLAGS, "sourceless", [])
+    with caplog.at_level(logging.WARNING, logger="model.fused"):
+        assert fused.load("sourceless") is None
+    monkeypatch.delitem(fused._loaded, "sourceless")
+    assert "fused decoder-step kernels (sourceless) unavailable" in caplog.text
