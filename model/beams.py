@@ -91,8 +91,8 @@ class Beams:
     """
 
     def __init__(self, k: int, pad_id: int, device: torch.device, kernels: ModuleType | None = None) -> None:
-        """``kernels``: the fused step kernels (``model.fused``), whose ``advance`` does the usual
-        case of a step's bookkeeping in one call; None: tensor operations throughout."""
+        """``kernels``: the fused step kernels (``model.fused``), whose ``advance`` does a step's
+        bookkeeping in one call; None: tensor operations throughout."""
         self.k, self.pad_id, self.kernels = k, pad_id, kernels
         # after ``advance`` on the kernels: the sentences all of whose hypotheses are finished (None: not known)
         self.done: list[int] | None = None
@@ -151,11 +151,10 @@ class Beams:
         if self.kernels is not None:  # all of it in one call
             empty = _EMPTY[logits.device]
             state = (self.scores, self.length, self.finished, self.eos, self.history)
-            done = self.kernels.advance(
+            state, self.done = self.kernels.advance(
                 logits, empty[0] if bias is None else bias, empty[1] if vocab is None else vocab, step, *state,
                 alpha, eos_id, self.pad_id,
             )  # fmt: skip
-            state, self.done = done
             self.scores, tok, back, self.history, self.eos, self.length, self.finished = state
             return (back if k > 1 else None), tok
         self.done = None
