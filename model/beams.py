@@ -94,7 +94,8 @@ class Beams:
         """``kernels``: the fused step kernels (``model.fused``), whose ``advance`` does a step's
         bookkeeping in one call; None: tensor operations throughout."""
         self.k, self.pad_id, self.kernels = k, pad_id, kernels
-        # after ``advance`` on the kernels: the sentences all of whose hypotheses are finished (None: not known)
+        # the sentences all of whose hypotheses are finished, when the kernels' ``advance`` said
+        # (None: not known; sentences joining or leaving make it unknown)
         self.done: list[int] | None = None
         self.scores = torch.zeros(0, k, device=device)  # raw cumulative log P, (A, K)
         self.length = torch.zeros(0, k, dtype=torch.long, device=device)  # tokens, EOS included
@@ -108,6 +109,7 @@ class Beams:
 
     def extend(self, b: int, steps: int) -> None:
         """b sentences join, each decoded for at most ``steps`` steps."""
+        self.done = None
         scores = self.only_first.expand(b, -1)
         self.scores = torch.cat([self.scores, scores])
         self.length = torch.cat([self.length, self.length.new_zeros(b, self.k)])
@@ -210,6 +212,15 @@ class Beams:
         (the live ones unfinished, ``eos`` False)."""
         self.finished = self.finished.clone()  # (after a step ``finished`` may be ``eos`` itself)
         self.finished[sentences] = True
+        if self.done is not None:
+            self.done = sorted(set(self.done).union(sentences))
+
+    def done_sentences(self) -> list[int]:
+        """The sentences all of whose hypotheses are finished, ascending: as the kernels'
+        ``advance`` (and ``truncate`` since) said, without reading the device, else from ``finished``."""
+        if self.done is not None:
+            return self.done
+        return self.finished.all(dim=1).nonzero()[:, 0].tolist()
 
     def hypotheses(self, i: int, n_best: int, alpha: float) -> list[Hypothesis]:
         """The n best of active sentence i (already sorted by normalized score)."""
@@ -220,5 +231,6 @@ class Beams:
         return [_hypothesis(rows[j], lengths[j], normalized[j], raw[j], eos[j]) for j in range(n_best)]
 
     def keep(self, keep: torch.Tensor) -> None:
+        self.done = None
         for name in ("scores", "length", "finished", "eos", "history"):
             setattr(self, name, getattr(self, name)[keep])

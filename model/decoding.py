@@ -256,7 +256,6 @@ class DecodeSession:
     def _reset(self) -> None:
         """Empty: the state of a new session."""
         self.steps = 0  # decoder steps run since the session was last empty
-        self._done: list[int] | None = None  # after a step: the sentences done, when the kernels said
         self._cache: KVCache | None = None
         device = next(self.model.parameters()).device
         self._kernels = fused.load(self.model.fused_step) if device.type == "cpu" else None  # (model.fused)
@@ -381,9 +380,6 @@ class DecodeSession:
         truncated = [i for i, stop in enumerate(rows.stop_host) if stop <= self.steps]  # at the limit
         if truncated:
             beams.truncate(truncated)
-        self._done = beams.done  # known on the host after the kernels' advance (else None)
-        if self._done is not None and truncated:
-            self._done = sorted(set(self._done).union(truncated))
         rows.tokens = tokens  # (A, K): every sentence has K rows from now on
         if back is not None:  # greedy rows stay in place
             rows.gather = back
@@ -395,15 +391,9 @@ class DecodeSession:
     def _harvest(self) -> tuple[list[int], list[Finished]]:
         """-> the sentences whose beams are all finished (their places in the batch) and them."""
         rows = self._rows
-        if self._done is not None:  # the kernels' advance said (no device sync)
-            finished = self._done
-            if not finished:
-                return [], []
-        else:
-            done = rows.beams.finished.all(dim=1)  # (A,)
-            if not bool(done.any()):
-                return [], []
-            finished = done.nonzero()[:, 0].tolist()
+        finished = rows.beams.done_sentences()
+        if not finished:
+            return [], []
         n_best, alpha = self.options.n_best, self.options.length_penalty
         out = [
             Finished(rows.tags[i], rows.beams.hypotheses(i, n_best, alpha), self.steps - rows.start_host[i])
