@@ -245,8 +245,9 @@ class DecodeSession:
             raise ValueError("a shortlist needs the output matrix's float rows (this model released them)")
         self.model, self.options, self.k = model, options, options.beam_size
         self.shortlist = shortlist
-        self._decoder: DecoderStep | None = None  # bound at the first step, inside inference mode
-        self._encoder: EncoderPass | None = None  # bound at the first admission, inside inference mode
+        self._passes: tuple[EncoderPass, DecoderStep] | None = None  # bound at first use, in inference mode
+        device = next(model.parameters()).device
+        self._kernels = fused.load(model.fused_step) if device.type == "cpu" else None  # (model.fused)
         self._vocab: Vocabulary | None = None  # with a shortlist: what the steps score, from the first admission
         if vocabulary is not None and shortlist is not None:
             vocabulary.claim(self)
@@ -258,7 +259,6 @@ class DecodeSession:
         self.steps = 0  # decoder steps run since the session was last empty
         self._cache: KVCache | None = None
         device = next(self.model.parameters()).device
-        self._kernels = fused.load(self.model.fused_step) if device.type == "cpu" else None  # (model.fused)
         self._rows = _SentenceRows(self.k, self.model.config.pad_id, device, self._kernels)
         vocab = self._own_vocab()
         if vocab is not None:
@@ -287,10 +287,9 @@ class DecodeSession:
         if len(tags) != src.shape[0]:
             raise ValueError(f"{len(tags)} tags for {src.shape[0]} sentences")
         model, cfg, rows = self.model, self.model.config, self._rows
-        if self._encoder is None or self._decoder is None:
-            self._encoder, self._decoder = bound_passes(model)
-        memory, mask = self._encoder(src)  # (B, S, D), (B, 1, 1, S)
-        cross_kv = self._decoder.project_memory(memory)
+        encoder, decoder = self._bound()
+        memory, mask = encoder(src)  # (B, S, D), (B, 1, 1, S)
+        cross_kv = decoder.project_memory(memory)
         src_lengths = mask.sum(dim=(1, 2, 3))
         limit = max_steps(src_lengths, self.options, cfg.max_tokens)  # (B,)
         if self._cache is None:  # one row per sentence, widened to K by the first step
@@ -366,12 +365,11 @@ class DecodeSession:
         are truncated (finished)."""
         rows, alpha = self._rows, self.options.length_penalty
         a, w = len(rows), rows.width
-        if self._decoder is None:
-            self._encoder, self._decoder = bound_passes(self.model)
+        _, decoder = self._bound()
         vocab = self._own_vocab()
         assert vocab is not None or self.shortlist is None, "the session's shortlist columns were taken over"
         step_in = (rows.tokens.reshape(-1), cache, rows.memory_mask, positions, self_mask)
-        logits = self._decoder(*step_in, output=None if vocab is None else vocab.rows).float()
+        logits = decoder(*step_in, output=None if vocab is None else vocab.rows).float()
         beams = rows.beams
         eos = self.model.config.eos_id
         ids, bias = (None, None) if vocab is None else (vocab.ids, vocab.bias)  # each sentence's own candidates only
@@ -383,6 +381,12 @@ class DecodeSession:
         rows.tokens = tokens  # (A, K): every sentence has K rows from now on
         if back is not None:  # greedy rows stay in place
             rows.gather = back
+
+    def _bound(self) -> tuple[EncoderPass, DecoderStep]:
+        """The model's encoder pass and decoder step (``step.bound_passes``), from the first use on."""
+        if self._passes is None:
+            self._passes = bound_passes(self.model)
+        return self._passes
 
     def _own_vocab(self) -> Vocabulary | None:
         """The shortlist's columns while this session holds them (``Vocabulary.claim``)."""
