@@ -108,14 +108,13 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
   for (int64_t d = 0; d < n; d++) y[d] += w * x[d];
 }
 
-// One query (Dh) over keys/values k[j * ks], v[j * vs] (j < n, those with `visible(j)` false
-// left out), softmax weights in `p` (n floats), the weighted sum of values into out (Dh).
-template <typename Visible>
+// One query (Dh) over keys/values k[j * ks], v[j * vs] (j < n, those with visible[j] false left
+// out; visible nullptr: none), softmax weights in `p` (n floats), the weighted sum of values into out (Dh).
 inline void attend_one(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t n,
-                       int64_t dh, float scale, Visible visible, float* p, float* out) {
+                       int64_t dh, float scale, const bool* visible, float* p, float* out) {
   float top = -INFINITY;
   for (int64_t j = 0; j < n; j++) {
-    p[j] = visible(j) ? dot(q, k + j * ks, dh) * scale : -INFINITY;
+    p[j] = visible == nullptr || visible[j] ? dot(q, k + j * ks, dh) * scale : -INFINITY;
     top = std::max(top, p[j]);
   }
   const float inv = 1.f / exp_shifted(p, n, top);
@@ -175,12 +174,8 @@ torch::Tensor self_attend(const torch::Tensor& qkv, torch::Tensor k, torch::Tens
       std::copy(q + d, q + d + dh, kb + pos * k2);
       std::copy(q + 2 * d, q + 2 * d + dh, vb + pos * v2);
       float* o = op + row * d + head * dh;
-      if (vis == nullptr) {
-        attend_one(q, kb, k2, vb, v2, n, dh, (float)scale, [](int64_t) { return true; }, p.data(), o);
-      } else {
-        const bool* row_vis = vis + row * n;
-        attend_one(q, kb, k2, vb, v2, n, dh, (float)scale, [row_vis](int64_t j) { return row_vis[j]; }, p.data(), o);
-      }
+      const bool* row_vis = vis == nullptr ? nullptr : vis + row * n;
+      attend_one(q, kb, k2, vb, v2, n, dh, (float)scale, row_vis, p.data(), o);
     }
   });
   return out;
@@ -222,12 +217,8 @@ torch::Tensor cross_attend(const torch::Tensor& q, const torch::Tensor& k, const
       const float* kb = kp + sentence * k0 + head * k1;
       const float* vb = vp + sentence * v0 + head * v1;
       float* o = op + row * d + head * dh;
-      if (mp == nullptr) {
-        attend_one(qh, kb, k2, vb, v2, s, dh, (float)scale, [](int64_t) { return true; }, p.data(), o);
-      } else {
-        const bool* row_mask = mp + sentence * m0;
-        attend_one(qh, kb, k2, vb, v2, s, dh, (float)scale, [row_mask](int64_t j) { return row_mask[j]; }, p.data(), o);
-      }
+      const bool* row_mask = mp == nullptr ? nullptr : mp + sentence * m0;
+      attend_one(qh, kb, k2, vb, v2, s, dh, (float)scale, row_mask, p.data(), o);
     }
   });
   return out;
