@@ -143,9 +143,10 @@ def test_the_encoder_pass_encodes_a_long_batch_in_groups_of_sentences(
         assert not torch.equal(memory, whole)  # each group had its own activation scales
 
 
-def test_a_step_with_beams_and_late_rows_matches_each_row_alone() -> None:
+def test_a_step_with_beams_and_late_rows_matches_each_row_alone(step_kernels: str | None) -> None:
     """Rows sharing a sentence's memory (width 3) and rows masked to the keys after they
-    joined, at their own positions: each row's logits are those of its history decoded alone."""
+    joined, at their own positions: each row's logits are those of its history decoded alone
+    (on the tensor operations and on the fused kernels)."""
     model = make_model(seed=7)
     src = pad(sources(2, seed=3), 0)
     history = torch.randint(4, V, (6, 4))
@@ -157,6 +158,7 @@ def test_a_step_with_beams_and_late_rows_matches_each_row_alone() -> None:
         cache = model.init_cache(memory, capacity=8)
         cache.reorder(torch.arange(2).repeat_interleave(width), width=width)
         step = DecoderStep(model)
+        assert (step.fused is None) == (step_kernels is None)
         for t in range(4):
             logits = step(history[:, t], cache, mask)
             torch.testing.assert_close(logits, full[:, t], atol=1e-5, rtol=1e-5)

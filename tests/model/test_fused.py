@@ -75,34 +75,6 @@ def test_fused_steps_match_full_recomputation(variant: str, norm_first: bool, po
         assert_steps_match(model, src, tgt, full, tol=1e-5)
 
 
-def test_a_fused_step_with_beams_and_late_rows_matches_each_row_alone() -> None:
-    """Rows sharing a sentence's memory and rows masked to the keys after they joined, at their
-    own positions (continuous batching), on the fused kernels."""
-    model = make_model(seed=7)
-    model.fused_step = built(kernels.fused_variant(HERE))
-    src = pad(sources(2, seed=3), 0)
-    history = torch.randint(4, V, (6, 4))
-    history[:, 0] = 2
-    with torch.inference_mode():
-        memory, mask, _ = model.encode(src)
-        width = 3
-        full = model.decode(history, memory.repeat_interleave(width, 0), mask.repeat_interleave(width, 0))[0]
-        cache = model.init_cache(memory, capacity=8)
-        cache.reorder(torch.arange(2).repeat_interleave(width), width=width)
-        step = DecoderStep(model)
-        assert step.fused is not None
-        for t in range(4):
-            torch.testing.assert_close(step(history[:, t], cache, mask), full[:, t], atol=1e-5, rtol=1e-5)
-        late = torch.tensor([3, 4, 5])
-        positions = torch.tensor([4, 4, 4, 0, 0, 0])
-        keys_seen = torch.ones(6, 1, 1, 5, dtype=torch.bool)
-        keys_seen[late, :, :, :4] = False
-        tokens = torch.cat([torch.randint(4, V, (3,)), history[late, 0]])
-        logits = step(tokens, cache, mask, positions, keys_seen)
-        alone = model.decode(history[late, :1], memory[1:].repeat(width, 1, 1), mask[1:].repeat(width, 1, 1, 1))[0]
-        torch.testing.assert_close(logits[late], alone[:, 0], atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("precision", ["float32", "int8"])
 def test_the_shipped_model_translates_the_same_on_both_paths(shipped: Path, data_dir: Path, precision: str) -> None:
     """The shipped de-en model, 48 test sentences in batches of 16 (beam 4 and greedy): the same
