@@ -32,6 +32,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Literal
 
+import torch
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "step_kernels.cpp"
@@ -45,6 +47,14 @@ FLAGS: dict[str, list[str]] = {
     "avx2": ["-mavx2", "-mfma"],
     "baseline": [],
 }
+# Products of at most this many rows run on the kernels' own ``linear`` (the weights streamed with
+# a prefetch) instead of MKL's sgemm: one step's 19 products of one sentence [Intel Xeon f6,
+# AVX-512+bf16], weights streaming from L3: AVX-512 build 332-412 against 381-593 µs (1-4 rows),
+# even at 6-8 rows; AVX2 build 352-376 against 467-497 at 2-4 rows, worse at 3 and from 6; the
+# default build (SSE, no FMA) slower than MKL from 4 rows (docs/benchmarks.md "Small-row
+# matrix products").
+FEW_ROWS: dict[str, int] = {"avx512": 4, "avx2": 4, "baseline": 0}
+
 # -fopenmp: at::parallel_for's OpenMP and the `omp simd` loops; -fno-trapping-math: lets the
 # compiler vectorize loops with float comparisons in them (the kernels never read FP exceptions)
 COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
@@ -69,6 +79,22 @@ def load(variant: str | None) -> ModuleType | None:
         if variant not in _loaded:
             _loaded[variant] = _build(variant)
         return _loaded[variant]
+
+
+def few_rows_limit(variant: str | None) -> int:
+    """The most rows a matrix product of ``variant``'s kernels takes (``FEW_ROWS``; 0: none)."""
+    return 0 if variant is None else FEW_ROWS.get(variant, 0)
+
+
+def streamable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the kernels' ``linear`` reads this weight (N, K) and bias (N) as they are: float32
+    CPU tensors with storage (not placeholders of released weights), contiguous, K a multiple of 16."""
+
+    def plain(t: torch.Tensor, dim: int) -> bool:
+        return t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == dim and t.is_contiguous()
+
+    fits = bias is None or (plain(bias, 1) and bias.shape[0] == weight.shape[0])
+    return plain(weight, 2) and weight.shape[1] % 16 == 0 and fits
 
 
 def _find_ninja() -> None:

@@ -5,7 +5,8 @@
 // and bookkeeping; the ~30 of them per decoder layer between the layer's six matrix products
 // (scaling, cache writes, batched matmuls, softmax, head reshapes, residual adds, layer norms)
 // cost more than the arithmetic. Here each attention sub-layer is one call and each residual +
-// layer norm another (docs/benchmarks.md "The fused step"). The matrix products stay in torch.
+// layer norm another (docs/benchmarks.md "The fused step"). Matrix products of a few rows have
+// their own kernel here (see "Matrix products of a few rows"); larger ones stay in torch (MKL).
 //
 // Float32, CPU, contiguous rows; model/fused.py checks what it passes. Work is split over
 // torch's own thread pool (at::parallel_for) only when it is large enough to pay for the split.
@@ -15,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -122,6 +124,120 @@ inline void attend_one(const float* q, const float* k, int64_t ks, const float* 
   for (int64_t j = 0; j < n; j++) {
     if (p[j] != 0.f) axpy(p[j] * inv, v + j * vs, out, dh);
   }
+}
+
+
+// ---- Matrix products of a few rows ------------------------------------------------------------
+// At one sentence a decoder step multiplies 1 (greedy) or 4 (beam 4) rows by every layer's
+// weights: ~13 MB of float32 a step, streamed from L3 (the weights of all layers do not fit in
+// L2), a few multiply-adds per weight loaded. MKL's sgemm reads them at ~20 GB/s there; this
+// kernel keeps a tile of weight rows (the whole reduction of each in registers) per rows group
+// and prefetches the next tile's rows while it computes, ~30% faster at 4 rows, ~10% at one
+// (docs/benchmarks.md "Small-row matrix products"). Above a few rows MKL's blocking wins, and
+// model/step.py hands those calls back to torch.
+//
+// Each output is the sum over k of x[r][k] * w[n][k] in kVec running lanes (lane l takes
+// k = l, l + kVec, ...), the lanes added by one fixed tree: a row's result depends on neither the
+// other rows nor their number nor alignment (the same in every build of one variant).
+#if defined(__AVX512F__)
+constexpr int kVec = 16;
+#else
+constexpr int kVec = 8;
+#endif
+typedef float vec __attribute__((vector_size(kVec * sizeof(float))));
+
+inline vec load_vec(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+#if defined(__AVX512F__)
+// kVec accumulators -> one vector holding their totals (lane i: accumulator i), in four folds:
+// each takes pairs of vectors holding g groups of partial sums to vectors holding 2g groups.
+inline vec totals(const vec* a) {
+  vec t[8], u[4], w[2];
+  for (int i = 0; i < 8; i++) {
+    t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; i++) {
+    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; i++) {
+    w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+// (rows, weight rows) a tile computes at once: at most kVec accumulators, 16 weight rows a block
+template <int Rows> constexpr int kTileN = Rows >= 3 ? 4 : 8;
+#else
+inline vec totals(const vec* a) {
+  vec t[4], u[2];
+  for (int i = 0; i < 4; i++) {
+    t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int i = 0; i < 2; i++) {
+    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  }
+  return __builtin_shufflevector(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+template <int Rows> constexpr int kTileN = Rows >= 3 ? 2 : Rows == 2 ? 4 : 8;
+#endif
+
+constexpr int64_t kBlockN = 16;  // weight rows a task's unit of work covers (each tile's N divides it)
+
+struct Product {
+  const float* x;     // (R, K)
+  const float* w;     // (N, K)
+  const float* bias;  // (N) or nullptr
+  float* out;         // (R, N)
+  int64_t k, n;
+  bool relu;
+};
+
+inline float finish(const Product& p, int64_t n, float total) {
+  const float v = p.bias != nullptr ? total + p.bias[n] : total;
+  return p.relu && v < 0.f ? 0.f : v;
+}
+
+// rows [r0, r0 + Rows) by weight rows [n0, n0 + kTileN<Rows>), prefetching the next tile's rows
+template <int Rows>
+inline void tile(const Product& p, int64_t r0, int64_t n0) {
+  constexpr int tn = kTileN<Rows>;
+  vec acc[kVec] = {};
+  const float* w = p.w + n0 * p.k;
+  const float* x = p.x + r0 * p.k;
+  const bool ahead = n0 + 2 * tn <= p.n;
+  for (int64_t k = 0; k < p.k; k += kVec) {
+    vec wv[tn];
+    for (int j = 0; j < tn; j++) wv[j] = load_vec(w + j * p.k + k);
+    if (ahead) {
+      for (int j = 0; j < tn; j++) __builtin_prefetch(w + (tn + j) * p.k + k, 0, 3);
+    }
+    for (int r = 0; r < Rows; r++) {
+      const vec xv = load_vec(x + r * p.k + k);
+      for (int j = 0; j < tn; j++) acc[r * tn + j] += xv * wv[j];
+    }
+  }
+  const vec s = totals(acc);
+  float lanes[kVec];
+  std::memcpy(lanes, &s, sizeof s);
+  for (int r = 0; r < Rows; r++) {
+    float* o = p.out + (r0 + r) * p.n;
+    for (int j = 0; j < tn; j++) o[n0 + j] = finish(p, n0 + j, lanes[r * tn + j]);
+  }
+}
+
+template <int Rows>
+inline void tiles(const Product& p, int64_t r0, int64_t n0) {
+  for (int64_t j = 0; j < kBlockN; j += kTileN<Rows>) tile<Rows>(p, r0, n0 + j);
 }
 
 void check_rows(const torch::Tensor& t, const char* name) {
@@ -476,11 +592,48 @@ torch::Tensor embed(const torch::Tensor& tokens, const torch::Tensor& table, con
   return out;
 }
 
+// x (R, K) times w (N, K) transposed, plus bias (N; an empty tensor: none), ReLU'd when `relu`
+// -> (R, N): a linear layer for a few rows (see "Matrix products of a few rows"). K a multiple of 16.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, bool relu) {
+  check_rows(x, "x");
+  check_rows(w, "w");
+  const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(w.size(1) == k && k % 16 == 0, "x (R, K) and w (N, K) need the same K, a multiple of 16");
+  const bool biased = bias.numel() > 0;
+  if (biased) {
+    TORCH_CHECK(bias.device().is_cpu() && bias.scalar_type() == torch::kFloat32 && bias.dim() == 1 &&
+                    bias.size(0) == n && bias.is_contiguous(),
+                "bias must be a contiguous float32 (N) CPU vector");
+  }
+  auto out = torch::empty({rows, n}, x.options());
+  const Product p{x.data_ptr<float>(), w.data_ptr<float>(), biased ? bias.data_ptr<float>() : nullptr,
+                  out.data_ptr<float>(), k, n, relu};
+  const int64_t blocks = n / kBlockN;
+  const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(1, kBlockN * k * rows));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; b++) {
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4) tiles<4>(p, r, b * kBlockN);
+      switch (rows - r) {
+        case 3: tiles<3>(p, r, b * kBlockN); break;
+        case 2: tiles<2>(p, r, b * kBlockN); break;
+        case 1: tiles<1>(p, r, b * kBlockN); break;
+        default: break;
+      }
+    }
+  });
+  for (int64_t j = blocks * kBlockN; j < n; j++) {  // the last weight rows, fewer than a block
+    for (int64_t r = 0; r < rows; r++) p.out[r * n + j] = finish(p, j, dot(p.x + r * k, p.w + j * k, k));
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("self_attend", &self_attend, "self-attention of one decoder step (writes the cache)");
   m.def("cross_attend", &cross_attend, "cross-attention of one decoder step");
   m.def("add_norm_", &add_norm_, "x = LayerNorm(x + y), in place");
   m.def("advance", &advance, "one step of beam search's bookkeeping");
   m.def("candidates", &candidates, "each sentence's own shortlist candidates");
+  m.def("linear", &linear, "a linear layer for a few rows: x w^T + bias, optionally ReLU'd");
   m.def("embed", &embed, "a decoder step's input: position + scale * token embedding");
 }

@@ -75,6 +75,65 @@ def test_fused_steps_match_full_recomputation(variant: str, norm_first: bool, po
         assert_steps_match(model, src, tgt, full, tol=1e-5)
 
 
+@pytest.mark.parametrize("variant", RUNNABLE)
+def test_few_row_products_are_torchs_to_float_rounding(variant: str) -> None:
+    """The kernels' own matrix product: x wᵀ + bias (or none), ReLU'd or not, at 1-9 rows, for
+    weights of whole 16-row blocks and with a remainder (the shortlist's column counts); each
+    row's result is the same bits whatever rows come with it."""
+    linear = fused.load(built(variant)).linear  # type: ignore[union-attr]
+    torch.manual_seed(0)
+    for n, k in [(48, 16), (64, 256), (37, 32), (5, 64), (2211, 256)]:
+        w, b = torch.randn(n, k) / k**0.5, torch.randn(n)
+        for rows in (1, 2, 3, 4, 5, 9):
+            x = torch.randn(rows, k)
+            for bias in (b, None):
+                want = x @ w.t() if bias is None else torch.addmm(bias, x, w.t())
+                for relu in (False, True):
+                    got = linear(x, w, torch.empty(0) if bias is None else bias, relu)
+                    torch.testing.assert_close(got, want.relu() if relu else want, atol=2e-5, rtol=1e-5)
+            alone = linear(x[-1:].clone(), w, b, False)
+            assert torch.equal(alone[0], linear(x, w, b, False)[-1])
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        linear(torch.randn(2, 24), torch.randn(8, 24), torch.empty(0), False)
+
+
+def test_few_row_products_follow_the_variant_and_the_weights() -> None:
+    """Which products run on the kernels' ``linear``: up to 4 rows on the AVX-512 and AVX2
+    builds, none on the default build (slower than MKL there); only weights it can read as they
+    are (float32 with storage, contiguous, K a multiple of 16)."""
+    assert [fused.few_rows_limit(v) for v in ("avx512", "avx2", "baseline", None)] == [4, 4, 0, 0]
+    w = torch.randn(32, 64)
+    assert fused.streamable(w, None) and fused.streamable(w, torch.zeros(32))
+    assert not fused.streamable(w.half(), None)
+    assert not fused.streamable(torch.empty(32, 64, device="meta"), None)  # a released weight's placeholder
+    assert not fused.streamable(w.t(), None)
+    assert not fused.streamable(torch.randn(32, 24), None)
+    assert not fused.streamable(w, torch.zeros(31))
+
+
+@pytest.mark.parametrize("variant", RUNNABLE)
+def test_decoder_steps_run_few_rows_on_the_kernels_and_more_on_torch(variant: str) -> None:
+    """A bound layer of the step: at most the variant's limit of rows gives the kernels' exact
+    result, more rows the layer's own kernel's (MKL's sgemm on Intel CPUs)."""
+    model = make_model()
+    model.fused_step = built(variant)
+    layer = model.decoder_layers[0].ff.fc1
+    kernels_linear = fused.load(variant).linear  # type: ignore[union-attr]
+    with torch.inference_mode():
+        step = DecoderStep(model)
+        limit = step.few_rows.limit
+        assert limit == fused.few_rows_limit(variant)
+        for rows in (1, limit, limit + 1, 8):
+            if rows == 0:
+                continue
+            x = torch.randn(rows, layer.weight.shape[1])
+            got = step.layers[0].fc1(x, True)
+            if rows <= limit:
+                assert torch.equal(got, kernels_linear(x, layer.weight, layer.bias, True))
+            else:
+                assert torch.equal(got, kernels.bind(layer.kernel, layer.weight, layer.bias)(x, True))
+
+
 @pytest.mark.parametrize("precision", ["float32", "int8"])
 def test_the_shipped_model_translates_the_same_on_both_paths(shipped: Path, data_dir: Path, precision: str) -> None:
     """The shipped de-en model, 48 test sentences in batches of 16 (beam 4 and greedy): the same
