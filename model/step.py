@@ -363,12 +363,13 @@ ENCODER_CHUNK_TOKENS = 1024
 
 class EncoderPass:
     """A model's encoder at inference, weights bound to their kernels once: the same math as
-    ``Transformer.encode`` (the same attention function, so the same numbers), without the
-    module calls around it. A decoding session encodes every sentence that joins it, a few at a
-    time under continuous batching, where the modules' per-call overhead was a sixth of the
-    encoder's time (docs/benchmarks.md "Serving: the event loop's share"). Inference only: no
-    dropout, and weights must not change while it is used; where the linear layers do not run
-    on their kernels (``uses_kernels``: a GPU, autograd, autocast), it takes the modules' path,
+    ``Transformer.encode`` (the same attention function, so the same numbers; on the fused
+    kernels' attention and joins, the same to float rounding), without the module calls around
+    it. A decoding session encodes every sentence that joins it, a few at a time under
+    continuous batching, where the modules' per-call overhead was a sixth of the encoder's time
+    (docs/benchmarks.md "Serving: the event loop's share"). Inference only: no dropout, and
+    weights must not change while it is used; where the linear layers do not run on their
+    kernels (``uses_kernels``: a GPU, autograd, autocast), it takes the modules' path,
     as ``DecoderStep`` does."""
 
     def __init__(self, model: Transformer) -> None:
@@ -378,6 +379,12 @@ class EncoderPass:
         fast = uses_kernels(_device(model))
         self.layers = [_EncoderLayer.of(layer, fast) for layer in model.encoder_layers]
         self.final_norm = None if model.encoder_norm is None else _Norm.of(model.encoder_norm)
+        # the fused kernels' attention and post-LN joins where the decoder step has them (float32
+        # on the CPU's bound kernels): at one sentence the encoder's SDPA, head permutes, adds and
+        # norms cost a third of its time (docs/benchmarks.md "Small-row matrix products")
+        float_cpu = step_dtype(model) == torch.float32 and _device(model).type == "cpu"
+        self.fused = fused.load(model.fused_step) if fast and float_cpu else None
+        self.scale = 1.0 / math.sqrt(cfg.d_model // cfg.n_heads)
 
     def __call__(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """src: (B, S) ids -> memory (B, S, D), source mask (B, 1, 1, S). Sentences go through
@@ -402,6 +409,9 @@ class EncoderPass:
         b, s, d = x.shape
         h = self.heads
         x = x.reshape(b * s, d)
+        if self.fused is not None:
+            x = self._fused_layers(x, mask.reshape(b, s))
+            return (x if self.final_norm is None else self.final_norm(x)).view(b, s, d)
         for layer in self.layers:
             y = layer.attn_norm(x) if self.norm_first else x
             q, k, v = layer.qkv(y, False).view(b, s, 3, h, d // h).permute(2, 0, 3, 1, 4)  # (B, H, S, Dh) each
@@ -413,6 +423,20 @@ class EncoderPass:
         if self.final_norm is not None:
             x = self.final_norm(x)
         return x.view(b, s, d)
+
+    def _fused_layers(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x (B*S, D) through every layer, attention and post-LN joins on the fused kernels;
+        mask (B, S) bool -> (B*S, D)."""
+        fused, post, h, scale = self.fused, not self.norm_first, self.heads, self.scale
+        assert fused is not None
+        mask = mask.contiguous()
+        for layer in self.layers:
+            qkv = layer.qkv(x if post else layer.attn_norm(x), False)  # (B*S, 3D)
+            y = layer.out(fused.encoder_attend(qkv, mask, h, scale), False)
+            x = _join(fused, x, y, layer.attn_norm, post)
+            y = layer.fc2(layer.fc1(x if post else layer.ff_norm(x), True), False)
+            x = _join(fused, x, y, layer.ff_norm, post)
+        return x
 
 
 # Each model's passes, bound once: a decoding session starts with them instead of binding every

@@ -340,6 +340,34 @@ torch::Tensor cross_attend(const torch::Tensor& q, const torch::Tensor& k, const
   return out;
 }
 
+// Self-attention of the encoder over whole sentences. qkv (B*S, 3D): each position's query, key
+// and value, heads side by side, sentence by sentence; mask (B, S) bool (false: padding, never
+// attended to). -> (B*S, D), heads merged.
+torch::Tensor encoder_attend(const torch::Tensor& qkv, const torch::Tensor& mask, int64_t heads, double scale) {
+  check_rows(qkv, "qkv");
+  const int64_t rows = qkv.size(0), d = qkv.size(1) / 3, dh = heads > 0 ? d / heads : 0;
+  TORCH_CHECK(heads > 0 && qkv.size(1) == 3 * d && dh * heads == d, "qkv must be (rows, 3 x heads x head_dim)");
+  TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.dim() == 2 && mask.is_contiguous() &&
+                  mask.size(0) * mask.size(1) == rows,
+              "mask must be a contiguous (B, S) bool tensor with B x S = qkv's rows");
+  const int64_t s = mask.size(1);
+  auto out = torch::empty({rows, d}, qkv.options());
+  const float* x = qkv.data_ptr<float>();
+  const bool* m = mask.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kGrainWork / (2 * s * dh));
+  at::parallel_for(0, rows * heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(s);
+    for (int64_t i = begin; i < end; i++) {
+      const int64_t row = i / heads, head = i % heads, first = row / s * s;  // the sentence's first position
+      const float* keys = x + first * 3 * d + d + head * dh;
+      attend_one(x + row * 3 * d + head * dh, keys, 3 * d, keys + d, 3 * d, s, dh, (float)scale, m + first, p.data(),
+                 op + row * d + head * dh);
+    }
+  });
+  return out;
+}
+
 // x = LayerNorm(x + y) in place (the post-LN residual join). x, y (R, D); weight, bias (D). -> x
 torch::Tensor add_norm_(torch::Tensor x, const torch::Tensor& y, const torch::Tensor& weight,
                         const torch::Tensor& bias, double eps) {
@@ -631,6 +659,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("self_attend", &self_attend, "self-attention of one decoder step (writes the cache)");
   m.def("cross_attend", &cross_attend, "cross-attention of one decoder step");
+  m.def("encoder_attend", &encoder_attend, "the encoder's self-attention over padded sentences");
   m.def("add_norm_", &add_norm_, "x = LayerNorm(x + y), in place");
   m.def("advance", &advance, "one step of beam search's bookkeeping");
   m.def("candidates", &candidates, "each sentence's own shortlist candidates");

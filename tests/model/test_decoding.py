@@ -87,7 +87,8 @@ def test_the_encoder_pass_matches_the_modules(norm_first: bool, positions: str, 
     """``EncoderPass`` (what a decoding session admits sentences with) gives the modules'
     encoder output and mask, for padded batches of short sources (the explicit attention path)
     and longer ones (SDPA), post-LN and pre-LN, on bound kernels (inference mode) and through
-    the modules' linears (grad enabled)."""
+    the modules' linears (grad enabled); on the fused kernels' attention and joins (the
+    ``step_kernels`` parametrization) to float rounding."""
     model = make_model(norm_first=norm_first, positions=positions)
     with torch.inference_mode(inference):
         encoder = EncoderPass(model)
@@ -96,7 +97,7 @@ def test_the_encoder_pass_matches_the_modules(norm_first: bool, positions: str, 
             expected, expected_mask, _ = model.encode(src)
             memory, mask = encoder(src)
             assert torch.equal(mask, expected_mask)
-            torch.testing.assert_close(memory, expected, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(memory, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])

@@ -14,7 +14,7 @@ import torch
 from model import checkpoint, fused, kernels
 from model.data import pad
 from model.decoding import DecodeSession, DecodingOptions, decode_stream
-from model.step import DecoderStep
+from model.step import DecoderStep, EncoderPass
 from model.translator import Translator
 from tests.conftest import require
 from tests.factories import V, assert_steps_match, make_model
@@ -132,6 +132,32 @@ def test_decoder_steps_run_few_rows_on_the_kernels_and_more_on_torch(variant: st
                 assert torch.equal(got, kernels_linear(x, layer.weight, layer.bias, True))
             else:
                 assert torch.equal(got, kernels.bind(layer.kernel, layer.weight, layer.bias)(x, True))
+
+
+@pytest.mark.parametrize("variant", RUNNABLE)
+def test_the_encoder_runs_its_attention_and_joins_on_the_kernels(variant: str) -> None:
+    """``EncoderPass`` on the kernels (padded sentences, post-LN and pre-LN) gives the modules'
+    encoder output; the attention kernel alone gives SDPA's with the padding masked."""
+    kernels_module = fused.load(built(variant))
+    assert kernels_module is not None
+    for norm_first in (False, True):
+        model = make_model(norm_first=norm_first)
+        model.fused_step = variant
+        src = pad(sources(5), 0)
+        with torch.inference_mode():
+            encoder = EncoderPass(model)
+            assert encoder.fused is kernels_module
+            torch.testing.assert_close(encoder(src)[0], model.encode(src)[0], atol=1e-5, rtol=1e-5)
+    b, s, h, dh = 3, 7, 4, 16
+    qkv = torch.randn(b * s, 3 * h * dh)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[1, 5:] = mask[2, 2:] = False
+    q, k, v = qkv.view(b, s, 3, h, dh).permute(2, 0, 3, 1, 4)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+    got = kernels_module.encoder_attend(qkv, mask, h, dh**-0.5)
+    torch.testing.assert_close(got, want.transpose(1, 2).reshape(b * s, h * dh), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="mask"):
+        kernels_module.encoder_attend(qkv, mask[:2], h, 1.0)
 
 
 @pytest.mark.parametrize("precision", ["float32", "int8"])
