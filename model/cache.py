@@ -24,7 +24,12 @@ that tie the halves together (self rows = sentences x width) are checked there, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+# (src_k, src_v, rows, dst_k, dst_v): the fused kernels' ``gather_rows_`` (see ``SelfAttentionCache.reorder``)
+Gather = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 SPARE_SLOTS = 16  # positions a new beam-search buffer has beyond what its reorder needs
 FIRST_SLOTS = 16  # positions laid out at first; a full layout is spread to twice its slots
@@ -150,6 +155,7 @@ class SelfAttentionCache:
         drop: int = 0,
         add: int = 0,
         capacity: int | None = None,
+        gather: Gather | None = None,
     ) -> None:
         """Row i takes the history of row ``rows[i]``; rows: (R',) long (rows may be dropped,
         or repeated to widen a beam). Then ``add`` rows follow with an all-zero history
@@ -157,7 +163,8 @@ class SelfAttentionCache:
         forgotten. The copy has room for ``room`` more positions before the next reorder (None:
         grown, twice the positions kept, at least ``FIRST_SLOTS`` and one more, at most the
         capacity); the buffers grow if that does not fit. ``capacity``: the most positions a
-        row may hold from now on (counted after the drop; None: as before)."""
+        row may hold from now on (counted after the drop; None: as before). ``gather``: the
+        fused kernels' copy of keys then values in one call (``model.fused``); None: torch's."""
         assert 0 <= drop <= self.length, (drop, self.length)
         kept, new = rows.numel(), self.length - drop
         n = kept + add
@@ -169,18 +176,23 @@ class SelfAttentionCache:
         # more, so it reallocates rarely. A grown layout (greedy, sentences joining) has its room
         # in its slots already: nothing more.
         extra = n * self.heads * SPARE_SLOTS * self.head_dim if room == 1 else 0
-        gathered = []
-        for buffer, laid_out in ((self._k, self._k4), (self._v, self._v4)):
-            into = self._spare.take(buffer, needed, extra)
-            source = laid_out if drop == 0 and self.length == self.slots else laid_out[:, :, drop : self.length]
-            layout = self._layout(into, n, slots)  # (n, H, slots, Dh): the next layout
-            target = layout if new == slots else layout[:, :, :new]
-            torch.index_select(source, 0, rows, out=target[:kept] if add else target)
-            if add:
-                target[kept:].zero_()
-            self._spare.give(buffer)
-            gathered.append((into, layout))
-        (self._k, k4), (self._v, v4) = gathered
+        # keys gather into the spare, and the keys' buffer is the spare the values gather into
+        into_k = self._spare.take(self._k, needed, extra)
+        self._spare.give(self._k)
+        into_v = self._spare.take(self._v, needed, extra)
+        self._spare.give(self._v)
+        whole = drop == 0 and self.length == self.slots
+        sources = [laid_out if whole else laid_out[:, :, drop : self.length] for laid_out in (self._k4, self._v4)]
+        k4, v4 = self._layout(into_k, n, slots), self._layout(into_v, n, slots)  # (n, H, slots, Dh): the next layout
+        targets = [layout if new == slots else layout[:, :, :new] for layout in (k4, v4)]
+        if gather is not None:
+            gather(sources[0], sources[1], rows, targets[0], targets[1])
+        else:
+            for source, target in zip(sources, targets, strict=True):
+                torch.index_select(source, 0, rows, out=target[:kept] if add else target)
+                if add:
+                    target[kept:].zero_()
+        self._k, self._v = into_k, into_v
         self.rows, self.slots, self.length = n, slots, new
         self.capacity = max(self.capacity, slots)
         self._lay_out(k4, v4)
@@ -301,14 +313,15 @@ class KVCache:
         capacity: int | None = None,
         *,
         width: int,
+        gather: Gather | None = None,
     ) -> None:
         """Self-attention rows: beam back-pointers, dropped and added rows, forgotten positions,
-        the most positions a row may hold (see ``SelfAttentionCache.reorder``), after which each
+        the most positions a row may hold, the copy (see ``SelfAttentionCache.reorder``), after which each
         of the cross-attention sentences has ``width`` consecutive rows (sentences that joined
         since the last reorder included: they are the ``add`` rows)."""
         assert rows.numel() + add == self.sentences * width, (rows.numel(), add, self.sentences, width)
         for layer in self.layers:
-            layer.self_attention.reorder(rows, room, drop, add, capacity)
+            layer.self_attention.reorder(rows, room, drop, add, capacity, gather)
 
     def extend_memory(self, cross_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Sentences join: one (K, V) pair per layer, each (B', H, S', Dh). Their self-attention

@@ -344,7 +344,9 @@ class DecodeSession:
             origin += drop
             capacity = max(rows.stop_host) - origin  # the positions the longest-lived row needs
             room = 1 if self.k > 1 else None  # beams reorder every step (one more slot); greedy rows grow
-            cache.reorder(gather, room, drop, rows.added, capacity, width=rows.width)
+            kernels = self._kernels
+            copy = None if kernels is None else kernels.gather_rows_
+            cache.reorder(gather, room, drop, rows.added, capacity, width=rows.width, gather=copy)
             rows.gather, rows.added = None, 0
         return origin
 

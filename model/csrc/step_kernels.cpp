@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -368,6 +369,57 @@ torch::Tensor encoder_attend(const torch::Tensor& qkv, const torch::Tensor& mask
   return out;
 }
 
+// The KV cache's reorder (``SelfAttentionCache.reorder``): dst_k[i] = src_k[rows[i]] for each
+// i < rows.numel(), the rows after those zeroed (sentences joining), then the same for v, in
+// that order (dst_v may be the storage src_k was read from). src (R, H, L, Dh) and dst (N, H, L,
+// Dh) views with contiguous head_dim; rows (N' <= N) int64 indices of src's rows.
+void gather_rows_(const torch::Tensor& src_k, const torch::Tensor& src_v, const torch::Tensor& rows,
+                  torch::Tensor dst_k, torch::Tensor dst_v) {
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.dim() == 1 && rows.is_contiguous() && rows.is_cpu(),
+              "rows must be a contiguous int64 CPU vector");
+  const int64_t n = rows.numel();
+  const int64_t* index = rows.data_ptr<int64_t>();
+  for (const auto* pair : {&src_k, &src_v}) {
+    check_cache(*pair, "src");
+  }
+  check_cache(dst_k, "dst_k");
+  check_cache(dst_v, "dst_v");
+  for (int64_t i = 0; i < n; i++) {
+    TORCH_CHECK(index[i] >= 0 && index[i] < src_k.size(0) && index[i] < src_v.size(0), "row ", index[i],
+                " out of range");
+  }
+  const std::pair<const torch::Tensor*, torch::Tensor*> pairs[2] = {{&src_k, &dst_k}, {&src_v, &dst_v}};
+  for (const auto& [src, dst] : pairs) {
+    TORCH_CHECK(dst->size(0) >= n && dst->size(1) == src->size(1) && dst->size(2) == src->size(2) &&
+                    dst->size(3) == src->size(3),
+                "gather_rows_: (", dst->sizes(), ") from (", src->sizes(), ")");
+    const int64_t heads = dst->size(1), length = dst->size(2), dh = dst->size(3), total = dst->size(0);
+    const float* from = src->data_ptr<float>();
+    float* to = dst->data_ptr<float>();
+    const int64_t s0 = src->stride(0), s1 = src->stride(1), s2 = src->stride(2);
+    const int64_t d0 = dst->stride(0), d1 = dst->stride(1), d2 = dst->stride(2);
+    const bool whole = s2 == dh && d2 == dh;  // a head's positions are one block
+    const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(1, heads * length * dh));
+    at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; i++) {
+        for (int64_t h = 0; h < heads; h++) {
+          float* out = to + i * d0 + h * d1;
+          const float* in = i < n ? from + index[i] * s0 + h * s1 : nullptr;
+          if (whole) {
+            if (in != nullptr) std::memcpy(out, in, length * dh * sizeof(float));
+            else std::memset(out, 0, length * dh * sizeof(float));
+            continue;
+          }
+          for (int64_t l = 0; l < length; l++) {
+            if (in != nullptr) std::memcpy(out + l * d2, in + l * s2, dh * sizeof(float));
+            else std::memset(out + l * d2, 0, dh * sizeof(float));
+          }
+        }
+      }
+    });
+  }
+}
+
 // x = LayerNorm(x + y) in place (the post-LN residual join). x, y (R, D); weight, bias (D). -> x
 torch::Tensor add_norm_(torch::Tensor x, const torch::Tensor& y, const torch::Tensor& weight,
                         const torch::Tensor& bias, double eps) {
@@ -663,6 +715,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_norm_", &add_norm_, "x = LayerNorm(x + y), in place");
   m.def("advance", &advance, "one step of beam search's bookkeeping");
   m.def("candidates", &candidates, "each sentence's own shortlist candidates");
+  m.def("gather_rows_", &gather_rows_, "the KV cache's reorder: rows gathered, joiners zeroed, keys then values");
   m.def("linear", &linear, "a linear layer for a few rows: x w^T + bias, optionally ReLU'd");
   m.def("embed", &embed, "a decoder step's input: position + scale * token embedding");
 }

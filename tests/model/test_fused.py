@@ -160,6 +160,24 @@ def test_the_encoder_runs_its_attention_and_joins_on_the_kernels(variant: str) -
         kernels_module.encoder_attend(qkv, mask[:2], h, 1.0)
 
 
+def test_the_cache_reorder_copies_what_index_select_does() -> None:
+    """``gather_rows_``: rows gathered (repeated, dropped), rows after them zeroed, positions
+    sliced on both sides; keys copied before values, so values may land where keys were."""
+    kernels_module = fused.load(built(RUNNABLE[-1]))
+    assert kernels_module is not None
+    src = torch.randn(2, 5, 4, 9, 8)  # (k/v, R, H, L, Dh)
+    rows = torch.tensor([4, 4, 0])
+    k, v = src[0][:, :, 1:7], src[1][:, :, 1:7]  # positions 1..6 of 9: strided views
+    want_k, want_v = k[rows], v[rows]
+    dst = torch.full((5, 4, 6, 8), float("nan"))
+    shared = src[0].reshape(-1)[: 5 * 4 * 6 * 8].view(5, 4, 6, 8)  # the values' target is the keys' storage
+    kernels_module.gather_rows_(k, v, rows, dst, shared)
+    assert torch.equal(dst[:3], want_k) and not dst[3:].any()
+    assert torch.equal(shared[:3], want_v) and not shared[3:].any()
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels_module.gather_rows_(k, v, torch.tensor([5]), dst, dst)
+
+
 @pytest.mark.parametrize("precision", ["float32", "int8"])
 def test_the_shipped_model_translates_the_same_on_both_paths(shipped: Path, data_dir: Path, precision: str) -> None:
     """The shipped de-en model, 48 test sentences in batches of 16 (beam 4 and greedy): the same
