@@ -165,6 +165,7 @@ class Vocabulary:
         self._rows = torch.empty(0, matrix.shape[1], dtype=dtype, device=self.device)
         self._bias = torch.empty(0, 0, device=self.device)
         self.size = 0
+        self._clean = False  # cleared since the last join (``clear`` has nothing to do)
         self._remake()
 
     @property
@@ -198,8 +199,11 @@ class Vocabulary:
     def clear(self) -> None:
         """Every sentence left (a session that emptied): back to ``always``'s columns, which
         come first after a remake from no sentences, without gathering their rows again."""
+        if self._clean:  # nothing joined since the last clear (a session's end, then the next one's start)
+            return
         self.counts.copy_(self._empty)
         self.sentences = []
+        self._clean = True
         base = self.shortlist.always.numel()
         if self.size >= base and torch.equal(self._ids[:base], self.shortlist.always):
             self.column[self._ids[base : self.size]] = -1
@@ -212,6 +216,7 @@ class Vocabulary:
 
     def join(self, candidates: list[torch.Tensor]) -> None:
         """Sentences join, behind the others: each one's candidates (unique ids)."""
+        self._clean = False
         added = torch.cat(candidates)
         self.counts.index_add_(0, added, torch.ones_like(added, dtype=torch.int32))
         new = added[self.column[added] < 0].unique()  # (few: most candidates have columns already)
