@@ -156,13 +156,15 @@ class BatchScheduler:
         direction: str,
         on_idle: Callable[[], object] | None = None,
         thread: ModelThread | None = None,
+        idle_delay_s: float = 0.0,
     ) -> None:
         """``on_idle`` runs on the model thread each time this model runs out of work (the
-        running batch ended and nothing waits): the service hands freed memory back to the OS
-        there. ``thread``: the model thread shared with other schedulers (``ModelThread``);
-        without one the scheduler has a thread of its own."""
+        running batch ended and nothing waits) and stays out of it for ``idle_delay_s``: the
+        service hands freed memory back to the OS there. ``thread``: the model thread shared
+        with other schedulers (``ModelThread``); without one the scheduler has a thread of its own."""
         self.open_session, self.limits, self.metrics, self.direction = open_session, limits, metrics, direction
-        self.on_idle = on_idle
+        self.on_idle, self.idle_delay_s = on_idle, idle_delay_s
+        self._worked = 0.0  # perf_counter() when this model last took a decision with work in it
         self._owns_thread = thread is None
         self.thread = ModelThread(f"batcher-{direction}") if thread is None else thread
         self._session: Session | None = None  # the running batch (model thread only)
@@ -281,7 +283,10 @@ class BatchScheduler:
             jobs = self._take_compatible()
             return Admit(jobs, fresh=False) if jobs else Step()
         if not self._pending:
-            return Idle() if self._idle_due else None
+            if not self._idle_due:
+                return None
+            due = self._worked + self.idle_delay_s
+            return Idle() if now >= due else due
         lim = self.limits
         deadline = self._pending[0].enqueued + lim.max_wait_s
         if self._company_expected() and len(self._pending) < lim.max_sentences and not self._closing and now < deadline:
@@ -302,7 +307,7 @@ class BatchScheduler:
             if self.on_idle is not None:
                 self.on_idle()
             return
-        self._idle_due = True
+        self._idle_due, self._worked = True, time.perf_counter()
         if isinstance(decision, Call):
             self._call(decision.call)
             return

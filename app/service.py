@@ -39,6 +39,13 @@ T = TypeVar("T")
 # would otherwise hold the model thread, and every other model, for one long call
 ALIGN_CHUNK = 8
 
+# A model's freed heap goes back to the OS (``release_free_memory``) once it has had no work for
+# this long, not between one client's back-to-back requests: handing it back after each one
+# made the next one fault its pages in again, ~0.2 ms of admission and 0.1-0.8 ms of decoding a
+# sentence (docs/benchmarks.md "Small-row matrix products"); the memory falls back as before
+# once the traffic pauses (the soak's idle samples come 2 s after its load).
+TRIM_AFTER_IDLE_S = 0.5
+
 
 class TranslationError(Exception):
     """What the service refuses to translate; the HTTP edge gives each kind its status
@@ -145,7 +152,13 @@ class LoadedModel:
             settings.max_batch_sentences, settings.max_batch_tokens, settings.max_wait_ms / 1000, settings.queue_size
         )
         self.scheduler = BatchScheduler(
-            self.translator.open_session, limits, metrics, self.label, on_idle=release_free_memory, thread=thread
+            self.translator.open_session,
+            limits,
+            metrics,
+            self.label,
+            on_idle=release_free_memory,
+            thread=thread,
+            idle_delay_s=TRIM_AFTER_IDLE_S,
         )
         self.metrics = metrics
 

@@ -80,6 +80,7 @@ class Harness:
         limits: BatchLimits = LIMITS,
         thread: ModelThread | None = None,
         direction: str = "xx-yy",
+        idle_delay_s: float = 0.0,
     ) -> None:
         self.log: list = []
         self.idle: list[float] = []  # decoder steps run so far, each time the model ran out of work
@@ -95,7 +96,9 @@ class Harness:
             steps = self.metrics.registry.get_sample_value("translator_decode_steps_total", {"direction": direction})
             self.idle.append(steps or 0)
 
-        self.scheduler = BatchScheduler(open_session, limits, self.metrics, direction, on_idle=on_idle, thread=thread)
+        self.scheduler = BatchScheduler(
+            open_session, limits, self.metrics, direction, on_idle=on_idle, thread=thread, idle_delay_s=idle_delay_s
+        )
 
     def __enter__(self) -> Harness:
         self.scheduler.start()
@@ -484,6 +487,31 @@ def test_a_task_on_the_model_thread_hands_back_its_error() -> None:
         assert thread.run(lambda: 7) == 7  # the thread carries on
     finally:
         thread.close(timeout=5)
+
+
+def test_the_idle_hook_waits_for_a_pause_in_the_traffic() -> None:
+    """With ``idle_delay_s`` the hook runs once the model has had no work for that long: not
+    between one client's back-to-back requests (each would fault the trimmed heap back in), and
+    still soon after the traffic stops."""
+
+    async def scenario(h: Harness) -> None:
+        for _ in range(500):  # the first run after warm-up (no work before it: not delayed)
+            if h.idle:
+                break
+            await asyncio.sleep(0.01)
+        for _ in range(5):
+            assert same(await result(h.scheduler.submit([SHORT], GREEDY)[0]), alone(SHORT, GREEDY))
+        assert h.idle == [0]  # back to back: no hook in between
+        await asyncio.sleep(0.2)
+        assert h.idle == [0]
+        for _ in range(300):
+            if len(h.idle) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert h.idle == [0, 5 * steps_alone(SHORT, GREEDY)]  # once the pause is long enough
+
+    with Harness(idle_delay_s=0.5) as h:
+        asyncio.run(scenario(h))
 
 
 def test_an_unexpected_error_on_the_model_thread_does_not_stop_the_other_models() -> None:
