@@ -88,17 +88,19 @@ class SelfAttentionCache:
         self._lay_out()
 
     def _layout(self, flat: torch.Tensor, rows: int, slots: int) -> torch.Tensor:
-        """(rows, H, slots, Dh) view of the front of a flat buffer."""
-        return flat[: rows * self.heads * slots * self.head_dim].view(rows, self.heads, slots, self.head_dim)
+        """(rows, H, slots, Dh) view of the front of a flat buffer (one ATen call: beam search
+        lays out every layer's keys and values anew at every step)."""
+        dh = self.head_dim
+        return flat.as_strided((rows, self.heads, slots, dh), (self.heads * slots * dh, slots * dh, dh, 1))
 
     def _lay_out(self, k4: torch.Tensor | None = None, v4: torch.Tensor | None = None) -> None:
         """Views of the current buffers, made once per layout (a step reads them as they are):
-        (R, H, slots, Dh) (``k4``, ``v4``: already made by the caller) and the same with rows
-        and heads merged, (R*H, slots, Dh)."""
+        (R, H, slots, Dh) (``k4``, ``v4``: already made by the caller); the same with rows and
+        heads merged, (R*H, slots, Dh), when ``flat`` first asks for them (the tensor
+        operations' path; the fused kernels read the 4-d views)."""
         self._k4 = self._layout(self._k, self.rows, self.slots) if k4 is None else k4
         self._v4 = self._layout(self._v, self.rows, self.slots) if v4 is None else v4
-        merged = (self.rows * self.heads, self.slots, self.head_dim)
-        self._k3, self._v3 = self._k4.view(merged), self._v4.view(merged)
+        self._merged: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def k(self) -> torch.Tensor:
@@ -112,7 +114,11 @@ class SelfAttentionCache:
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached keys and values with rows and heads merged, (R*H, length, Dh) each (views)."""
-        return self._k3[:, : self.length], self._v3[:, : self.length]
+        if self._merged is None:
+            merged = (self.rows * self.heads, self.slots, self.head_dim)
+            self._merged = (self._k4.view(merged), self._v4.view(merged))
+        k3, v3 = self._merged
+        return k3[:, : self.length], v3[:, : self.length]
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: (R, H, T, Dh) new positions, stored after the cached ones."""

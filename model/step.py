@@ -196,6 +196,7 @@ class DecoderStep:
         cpu_float = fast and self.positions.dtype == torch.float32 and self.positions.device.type == "cpu"
         self.fused = fused.load(model.fused_step) if cpu_float else None
         self.few_rows = _FewRows(self.fused, fused.few_rows_limit(model.fused_step) if self.fused else 0)
+        self._few_output = self.few_rows.limit > 0 and cfg.d_model % 16 == 0  # a shortlist's rows (C, D) on them
         self.layers = [_Layer.of(layer, fast, self.few_rows) for layer in model.decoder_layers]
         # each layer's cross-attention K/V projection, for the memory of sentences that join
         self.cross_kv = [
@@ -268,9 +269,15 @@ class DecoderStep:
             x = self.final_norm(x)
         if output is None:
             return self.output(x, False)
-        few = self.few_rows
-        if few.kernels is not None and x.shape[0] <= few.limit and fused.streamable(output, None) and x.is_contiguous():
-            return few.kernels.linear(x, output, _NO_BIAS, False)
+        few = self.few_rows  # (the shortlist's rows: a new view every step, so only its cheap checks here)
+        if (
+            self._few_output
+            and x.shape[0] <= few.limit
+            and output.dtype == torch.float32
+            and output.is_contiguous()
+            and x.is_contiguous()
+        ):
+            return few.kernels.linear(x, output, _NO_BIAS, False)  # type: ignore[union-attr]
         return F.linear(x, output)
 
     def _layers(
