@@ -371,7 +371,9 @@ class DecodeSession:
         vocab = self._own_vocab()
         assert vocab is not None or self.shortlist is None, "the session's shortlist columns were taken over"
         step_in = (rows.tokens.reshape(-1), cache, rows.memory_mask, positions, self_mask)
-        logits = decoder(*step_in, output=None if vocab is None else vocab.rows).float()
+        logits = decoder(*step_in, output=None if vocab is None else vocab.rows)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         beams = rows.beams
         eos = self.model.config.eos_id
         ids, bias = (None, None) if vocab is None else (vocab.ids, vocab.bias)  # each sentence's own candidates only

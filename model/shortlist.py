@@ -163,25 +163,31 @@ class Vocabulary:
         self.column = torch.full_like(self.counts, -1, dtype=torch.long)  # each id's column (-1: none)
         self._ids = torch.empty(0, dtype=torch.long, device=self.device)
         self._rows = torch.empty(0, matrix.shape[1], dtype=dtype, device=self.device)
-        self._bias = torch.empty(0, 0, device=self.device)
         self.size = 0
+        self._set_bias(torch.empty(0, 0, device=self.device))
         self._clean = False  # cleared since the last join (``clear`` has nothing to do)
         self._remake()
 
     @property
     def ids(self) -> torch.Tensor:
         """(C,) the token id of each column (not sorted)."""
-        return self._ids[: self.size]
+        return self._views[0]
 
     @property
     def rows(self) -> torch.Tensor:
         """(C, D) the output matrix's rows of ``ids``."""
-        return self._rows[: self.size]
+        return self._views[1]
 
     @property
     def bias(self) -> torch.Tensor:
         """(A, 1, C) 0 at a sentence's own columns (its candidates and ``always``), -inf elsewhere."""
-        return self._bias[:, None, :]
+        return self._views[2]
+
+    def _set_bias(self, bias: torch.Tensor) -> None:
+        """Every change of the columns or sentences ends here: the new bias (A, C), and the views
+        a decoder step reads (``ids``, ``rows``, ``bias``), made once per change, not every step."""
+        self._bias = bias
+        self._views = (self._ids[: self.size], self._rows[: self.size], bias[:, None, :])
 
     @property
     def in_use(self) -> bool:
@@ -210,7 +216,7 @@ class Vocabulary:
             self.size = base
             if self._ids.numel() > 2 * base:  # grown by large batches: hold no more than twice ``always``
                 self._ids, self._rows = self._ids[:base].clone(), self._rows[:base].clone()
-            self._bias = self._own([])
+            self._set_bias(self._own([]))
         else:
             self._remake()
 
@@ -225,7 +231,7 @@ class Vocabulary:
         bias = torch.full((len(self.sentences) + len(candidates), self.size), -math.inf, device=self.device)
         bias[: self._bias.shape[0], : self._bias.shape[1]] = self._bias
         bias[self._bias.shape[0] :] = self._own(candidates)
-        self._bias = bias
+        self._set_bias(bias)
         self.sentences.extend(candidates)
 
     def leave(self, gone: list[int], kept: list[int], keep: torch.Tensor) -> None:
@@ -236,7 +242,7 @@ class Vocabulary:
         if self.size > self.SLACK * int(self.counts.count_nonzero()):
             self._remake()
         else:
-            self._bias = self._bias[keep]
+            self._set_bias(self._bias[keep])
 
     def _remake(self) -> None:
         """Columns from the union (sorted), their rows, every sentence's bias row."""
@@ -246,7 +252,7 @@ class Vocabulary:
         self._rows = torch.empty(0, self.matrix.shape[1], dtype=self.dtype, device=self.device)
         self.size = 0
         self._append(ids)
-        self._bias = self._own(self.sentences)
+        self._set_bias(self._own(self.sentences))
         self.remade += 1
 
     def _append(self, ids: torch.Tensor) -> None:
@@ -256,7 +262,7 @@ class Vocabulary:
             capacity = min(max(size, 2 * self._ids.numel()), self.shortlist.vocab_size)
             grown_ids = torch.empty(capacity, dtype=torch.long, device=self.device)
             grown_rows = torch.empty(capacity, self.matrix.shape[1], dtype=self.dtype, device=self.device)
-            grown_ids[: self.size], grown_rows[: self.size] = self.ids, self.rows
+            grown_ids[: self.size], grown_rows[: self.size] = self._ids[: self.size], self._rows[: self.size]
             self._ids, self._rows = grown_ids, grown_rows
         self._ids[self.size : size] = ids
         self._rows[self.size : size] = self.matrix[ids]
