@@ -303,7 +303,8 @@ class DecodeSession:
             if vocab is None:  # the first admission, or a later session took the columns over
                 vocab = self._vocab = Vocabulary(self.shortlist, model.output_matrix(), step_dtype(model))
                 vocab.claim(self)
-            vocab.join(self.shortlist.candidates_of(src, mask[:, 0, 0], self._kernels))  # padding is no piece
+            candidates = self.shortlist.candidates_of(src, mask[:, 0, 0], self._kernels)  # padding is no piece
+            vocab.join(candidates, self._kernels)
         assert self._cache.source_length >= rows.source_width
 
     @torch.inference_mode()

@@ -220,18 +220,23 @@ class Vocabulary:
         else:
             self._remake()
 
-    def join(self, candidates: list[torch.Tensor]) -> None:
-        """Sentences join, behind the others: each one's candidates (unique ids)."""
+    def join(self, candidates: list[torch.Tensor], kernels: ModuleType | None = None) -> None:
+        """Sentences join, behind the others: each one's candidates (unique ids). ``kernels``:
+        the fused kernels (``model.fused``), which make their bias rows in one call."""
         self._clean = False
         added = torch.cat(candidates)
         self.counts.index_add_(0, added, torch.ones_like(added, dtype=torch.int32))
         new = added[self.column[added] < 0].unique()  # (few: most candidates have columns already)
         if new.numel():
             self._append(new)
-        bias = torch.full((len(self.sentences) + len(candidates), self.size), -math.inf, device=self.device)
-        bias[: self._bias.shape[0], : self._bias.shape[1]] = self._bias
-        bias[self._bias.shape[0] :] = self._own(candidates)
-        self._set_bias(bias)
+        own = self._own(candidates, kernels)
+        if self._bias.shape[0] == 0:  # the first sentences of a session
+            self._set_bias(own)
+        else:
+            bias = torch.full((len(self.sentences) + len(candidates), self.size), -math.inf, device=self.device)
+            bias[: self._bias.shape[0], : self._bias.shape[1]] = self._bias
+            bias[self._bias.shape[0] :] = own
+            self._set_bias(bias)
         self.sentences.extend(candidates)
 
     def leave(self, gone: list[int], kept: list[int], keep: torch.Tensor) -> None:
@@ -269,8 +274,10 @@ class Vocabulary:
         self.column[ids] = torch.arange(self.size, size, device=self.device)
         self.size = size
 
-    def _own(self, candidates: list[torch.Tensor]) -> torch.Tensor:
+    def _own(self, candidates: list[torch.Tensor], kernels: ModuleType | None = None) -> torch.Tensor:
         """(B, C) float: each sentence's bias row over the current columns."""
+        if kernels is not None and self.device.type == "cpu":
+            return kernels.own_bias(self.column, self.shortlist.always, candidates, self.size)
         allowed = torch.zeros(len(candidates), self.size, dtype=torch.bool, device=self.device)
         allowed[:, self.column[self.shortlist.always]] = True
         if candidates:

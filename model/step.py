@@ -229,6 +229,10 @@ class DecoderStep:
         flat = memory.reshape(b * s, d)
         projected = []
         for kv in self.cross_kv:
+            if self.fused is not None:  # one call instead of a view, a permute, a copy and two selects
+                k, v = self.fused.split_kv(kv(flat, False), b, self.heads)
+                projected.append((k, v))
+                continue
             both = kv(flat, False).view(b, s, 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).contiguous()
             projected.append((both[0], both[1]))  # (B, H, S, Dh) each
         return projected

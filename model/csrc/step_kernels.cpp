@@ -420,6 +420,61 @@ void gather_rows_(const torch::Tensor& src_k, const torch::Tensor& src_v, const 
   }
 }
 
+// The cross-attention keys and values of joining sentences, heads apart: kv (B*S, 2D), each
+// position's key then value projection, heads side by side -> k, v (B, H, S, Dh), contiguous.
+std::vector<torch::Tensor> split_kv(const torch::Tensor& kv, int64_t sentences, int64_t heads) {
+  check_rows(kv, "kv");
+  const int64_t rows = kv.size(0), d = kv.size(1) / 2, dh = heads > 0 ? d / heads : 0;
+  TORCH_CHECK(sentences > 0 && rows % sentences == 0 && heads > 0 && kv.size(1) == 2 * d && dh * heads == d,
+              "kv must be (sentences x positions, 2 x heads x head_dim)");
+  const int64_t s = rows / sentences;
+  auto k = torch::empty({sentences, heads, s, dh}, kv.options());
+  auto v = torch::empty({sentences, heads, s, dh}, kv.options());
+  const float* x = kv.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  float* vp = v.data_ptr<float>();
+  for (int64_t b = 0; b < sentences; b++) {
+    for (int64_t h = 0; h < heads; h++) {
+      for (int64_t t = 0; t < s; t++) {
+        const float* row = x + (b * s + t) * 2 * d + h * dh;
+        const int64_t at = ((b * heads + h) * s + t) * dh;
+        std::memcpy(kp + at, row, dh * sizeof(float));
+        std::memcpy(vp + at, row + d, dh * sizeof(float));
+      }
+    }
+  }
+  return {k, v};
+}
+
+// A shortlist's bias rows (``Vocabulary``): for each sentence, 0 at the columns of the
+// always-candidates and of its own candidates, -inf elsewhere. column (V) int64: each token's
+// column (-1: none); always, candidates[i]: int64 token ids, each with a column. -> (B, size).
+torch::Tensor own_bias(const torch::Tensor& column, const torch::Tensor& always,
+                       const std::vector<torch::Tensor>& candidates, int64_t size) {
+  auto is_ids = [](const torch::Tensor& t) {
+    return t.is_cpu() && t.scalar_type() == torch::kInt64 && t.dim() == 1 && t.is_contiguous();
+  };
+  TORCH_CHECK(is_ids(column) && is_ids(always), "column and always must be contiguous int64 CPU vectors");
+  const int64_t b = static_cast<int64_t>(candidates.size()), vocab = column.numel();
+  auto out = torch::full({b, size}, -INFINITY, torch::dtype(torch::kFloat32));
+  const int64_t* col = column.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  auto allow = [&](float* row, const torch::Tensor& ids) {
+    TORCH_CHECK(is_ids(ids), "candidates must be contiguous int64 CPU vectors");
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t j = 0; j < ids.numel(); j++) {
+      TORCH_CHECK(id[j] >= 0 && id[j] < vocab && col[id[j]] >= 0 && col[id[j]] < size, "token ", id[j],
+                  " has no column");
+      row[col[id[j]]] = 0.f;
+    }
+  };
+  for (int64_t i = 0; i < b; i++) {
+    allow(o + i * size, always);
+    allow(o + i * size, candidates[i]);
+  }
+  return out;
+}
+
 // x = LayerNorm(x + y) in place (the post-LN residual join). x, y (R, D); weight, bias (D). -> x
 torch::Tensor add_norm_(torch::Tensor x, const torch::Tensor& y, const torch::Tensor& weight,
                         const torch::Tensor& bias, double eps) {
@@ -716,6 +771,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("advance", &advance, "one step of beam search's bookkeeping");
   m.def("candidates", &candidates, "each sentence's own shortlist candidates");
   m.def("gather_rows_", &gather_rows_, "the KV cache's reorder: rows gathered, joiners zeroed, keys then values");
+  m.def("split_kv", &split_kv, "joining sentences' cross-attention K and V, heads apart");
+  m.def("own_bias", &own_bias, "a shortlist's bias rows: 0 at each sentence's own columns, -inf elsewhere");
   m.def("linear", &linear, "a linear layer for a few rows: x w^T + bias, optionally ReLU'd");
   m.def("embed", &embed, "a decoder step's input: position + scale * token embedding");
 }

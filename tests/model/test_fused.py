@@ -14,6 +14,7 @@ import torch
 from model import checkpoint, fused, kernels
 from model.data import pad
 from model.decoding import DecodeSession, DecodingOptions, decode_stream
+from model.shortlist import Vocabulary
 from model.step import DecoderStep, EncoderPass
 from model.translator import Translator
 from tests.conftest import require
@@ -176,6 +177,28 @@ def test_the_cache_reorder_copies_what_index_select_does() -> None:
     assert torch.equal(shared[:3], want_v) and not shared[3:].any()
     with pytest.raises(RuntimeError, match="out of range"):
         kernels_module.gather_rows_(k, v, torch.tensor([5]), dst, dst)
+
+
+def test_joining_sentences_memory_and_bias_rows_are_the_tensor_operations_ones(shipped: Path) -> None:
+    """``split_kv`` (joiners' cross-attention K/V, heads apart) and ``own_bias`` (a shortlist's
+    bias rows) give what the tensor operations give."""
+    kernels_module = fused.load(built(RUNNABLE[-1]))
+    assert kernels_module is not None
+    kv = torch.randn(3 * 5, 2 * 4 * 8)  # 3 sentences of 5 positions, 4 heads of 8
+    both = kv.view(3, 5, 2, 4, 8).permute(2, 0, 3, 1, 4)
+    k, v = kernels_module.split_kv(kv, 3, 4)
+    assert k.is_contiguous() and torch.equal(k, both[0]) and torch.equal(v, both[1])
+    ck = checkpoint.load(shipped, "cpu", "float32")
+    translator = Translator(ck.model, ck.tokenizer, (), checkpoint.use_shortlist(ck))
+    assert translator.shortlist is not None
+    src = pad(translator.encode(["Ein Hund läuft.", "Zwei Frauen sitzen auf einer Bank."]), 0)
+    candidates = translator.shortlist.candidates_of(src, src != 0)
+    with torch.inference_mode():
+        vocab = Vocabulary(translator.shortlist, ck.model.output_matrix(), torch.float32)
+        vocab.join(candidates)
+        assert torch.equal(vocab._own(candidates, kernels_module), vocab._own(candidates))
+    with pytest.raises(RuntimeError, match="no column"):
+        kernels_module.own_bias(vocab.column, vocab.shortlist.always, [torch.tensor([-1])], vocab.size)
 
 
 @pytest.mark.parametrize("precision", ["float32", "int8"])
