@@ -168,7 +168,8 @@ class BatchScheduler:
         self._owns_thread = thread is None
         self.thread = ModelThread(f"batcher-{direction}") if thread is None else thread
         self._session: Session | None = None  # the running batch (model thread only)
-        self._options: DecodingOptions | None = None  # its decoding options
+        self._options: DecodingOptions | None = None  # the decoding options of the batch (being) started
+        self._session_options: DecodingOptions | None = None  # the ones ``_session`` was opened with
         self._running: dict[int, Job] = {}  # its jobs by tag
         self._cancelled: set[int] = set()  # tags of running jobs whose requests are gone
         self._tags = itertools.count()
@@ -377,7 +378,10 @@ class BatchScheduler:
         self._start(jobs)
         if fresh or self._session is None:
             assert self._options is not None
-            self._session = self.open_session(self._options)
+            # the last batch's session, emptied, when it decodes with these options (a client's
+            # back-to-back requests): a new one costs ~100 tensor operations to set up
+            if not (self._session is not None and self._session.active == 0 and self._session_options == self._options):
+                self._session, self._session_options = self.open_session(self._options), self._options
         with self._cond:  # a job cancelled before it has a tag is dropped here, after it is in _cancelled
             jobs = [job for job in jobs if not job.future.done()]
             for job in jobs:

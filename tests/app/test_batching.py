@@ -21,6 +21,7 @@ from tests.factories import make_model
 
 LIMITS = BatchLimits(max_sentences=8, max_tokens=1000, max_wait_s=0.0, queue_size=100)
 GREEDY = DecodingOptions(beam_size=1)
+BEAM2 = DecodingOptions(beam_size=2)
 MODEL = make_model(seed=2)
 
 
@@ -511,6 +512,22 @@ def test_the_idle_hook_waits_for_a_pause_in_the_traffic() -> None:
         assert h.idle == [0, 5 * steps_alone(SHORT, GREEDY)]  # once the pause is long enough
 
     with Harness(idle_delay_s=0.5) as h:
+        asyncio.run(scenario(h))
+
+
+def test_back_to_back_requests_reuse_the_emptied_session_of_the_same_options() -> None:
+    """A client's next request, before the model goes idle, joins the session its last batch
+    emptied (no new one to set up) when the options are the same; other options open another."""
+
+    async def scenario(h: Harness) -> None:
+        for _ in range(3):
+            assert same(await result(h.scheduler.submit([SHORT], GREEDY)[0]), alone(SHORT, GREEDY))
+        assert len(h.sessions) == 1
+        assert same(await result(h.scheduler.submit([LONG], BEAM2)[0]), alone(LONG, BEAM2))
+        assert same(await result(h.scheduler.submit([SHORT], BEAM2)[0]), alone(SHORT, BEAM2))
+        assert len(h.sessions) == 2
+
+    with Harness(idle_delay_s=10.0) as h:
         asyncio.run(scenario(h))
 
 
