@@ -5,11 +5,14 @@ A decoder step at one sentence spends more time dispatching the small operations
 matrix products than computing them (docs/benchmarks.md "The fused step"). The C++ file does
 each of them in one call: a step's input embedding, each attention sub-layer (cache write,
 scores, softmax, weighted sum, heads merged), each post-LN residual join, a step of beam
-search's bookkeeping (``model.beams.Beams.advance``) and the shortlist's candidates of joining
-sentences. ``model.step.DecoderStep``, ``Beams`` and ``DecodeSession`` use them when the model
-names them (``Transformer.fused_step``), and their own tensor operations otherwise, with the
-same results to float rounding (tests/model/test_fused.py, and tests/model/test_decoding.py on
-both paths).
+search's bookkeeping (``model.beams.Beams.advance``), the KV cache's reorder, and for joining
+sentences the encoder's self-attention, the shortlist's candidates and bias rows and the
+cross-attention K/V split into heads. It also has a matrix product for a few rows (``linear``,
+up to ``FEW_ROWS``), which streams the weights faster than MKL's sgemm there ("Small-row matrix
+products"). ``model.step``, ``Beams``, ``DecodeSession``, ``KVCache`` and ``Vocabulary`` use them
+when the model names them (``Transformer.fused_step``), and their own tensor operations
+otherwise, with the same results to float rounding (tests/model/test_fused.py, and
+tests/model/test_decoding.py on both paths).
 
 The variant is part of the kernel plan (``kernels.choose`` -> ``KernelPlan.fused``): compiled
 for AVX-512, AVX2 + FMA or the compiler's default instructions, from the CPU's reported features

@@ -15,9 +15,12 @@ to its kernel once (``kernels.bind``) and runs a step as plain tensor calls, no 
 - heads merged by a view (``bmm``'s output is already (rows, heads x Dh)).
 
 Where the model has the fused kernels (``model.fused``: float32 activations on the CPU), each
-attention sub-layer and each post-LN residual join is one call of them instead, the matrix
-products still the bound kernels': ~25% less time a step at one sentence (docs/benchmarks.md
-"The fused step"). The same results to float rounding (tests/model/test_fused.py).
+attention sub-layer and each post-LN residual join is one call of them instead (~25% less time a
+step at one sentence: docs/benchmarks.md "The fused step"), and so are the matrix products of at
+most a few rows (``_FewRows``: the weights streamed with a prefetch, ~12% less a sentence at beam
+4: "Small-row matrix products"); larger products stay the bound kernels'. The encoder's
+attention and joins, and the joining sentences' cross-attention K/V, take them too. The same
+results to float rounding (tests/model/test_fused.py).
 
 The math is the network's: ``Transformer.decode`` (teacher-forced, modules) is the reference
 the tests hold it to, post-LN and pre-LN, sinusoidal and learned positions. Inference only:
