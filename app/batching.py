@@ -308,7 +308,13 @@ class BatchScheduler:
             if self.on_idle is not None:
                 self.on_idle()
             return
-        self._idle_due, self._worked = True, time.perf_counter()
+        self._idle_due = True
+        try:
+            self._work(decision)
+        finally:
+            self._worked = time.perf_counter()  # (the idle delay counts from when the work ended)
+
+    def _work(self, decision: Call | Admit | Step) -> None:
         if isinstance(decision, Call):
             self._call(decision.call)
             return

@@ -52,10 +52,10 @@ FLAGS: dict[str, list[str]] = {
 }
 # Products of at most this many rows run on the kernels' own ``linear`` (the weights streamed with
 # a prefetch) instead of MKL's sgemm: one step's 19 products of one sentence [Intel Xeon f6,
-# AVX-512+bf16], weights streaming from L3: AVX-512 build 332-412 against 381-593 µs (1-4 rows),
-# even at 6-8 rows; AVX2 build 352-376 against 467-497 at 2-4 rows, worse at 3 and from 6; the
-# default build (SSE, no FMA) slower than MKL from 4 rows (docs/benchmarks.md "Small-row
-# matrix products").
+# AVX-512+bf16], weights streaming from L3, µs: AVX-512 build 332-412 against 381-593 at 1-4
+# rows, level at 6-8; AVX2 build 352 / 376 against 467 / 497 at 2 / 4 rows, 359 against 368 at one,
+# 487 against 469 at 3 (one run each, within this host's noise), worse from 6; the default build
+# (SSE, no FMA) slower than MKL from 4 rows (docs/benchmarks.md "Small-row matrix products").
 FEW_ROWS: dict[str, int] = {"avx512": 4, "avx2": 4, "baseline": 0}
 
 # -fopenmp: at::parallel_for's OpenMP and the `omp simd` loops; -fno-trapping-math: lets the

@@ -557,6 +557,13 @@ def packed_kernel(kernel: object, weight: torch.Tensor, bias: torch.Tensor | Non
     return None
 
 
+def reads_float_weight(kernel: object) -> bool:
+    """Whether ``kernel`` computes a layer in float from the float weight it is called with (``aten``,
+    ``wx``, ``onednn``, ``auto``), so another float product of that weight gives its results to
+    rounding; not int8 (quantized) nor a packed kernel (its own copy; the weight a placeholder)."""
+    return kernel is aten or kernel is wx or kernel is onednn or kernel is auto
+
+
 def is_packed(kernel: object) -> bool:
     """Whether ``kernel`` runs from its own packed copy (the weight it is called with is a placeholder)."""
     return isinstance(kernel, PackedInt8 | PackedOneDNN)

@@ -209,7 +209,6 @@ class Vocabulary:
             return
         self.counts.copy_(self._empty)
         self.sentences = []
-        self._clean = True
         base = self.shortlist.always.numel()
         if self.size >= base and torch.equal(self._ids[:base], self.shortlist.always):
             self.column[self._ids[base : self.size]] = -1
@@ -219,6 +218,7 @@ class Vocabulary:
             self._set_bias(self._own([]))
         else:
             self._remake()
+        self._clean = True  # (last: a clear that raised half-way is done again next time)
 
     def join(self, candidates: list[torch.Tensor], kernels: ModuleType | None = None) -> None:
         """Sentences join, behind the others: each one's candidates (unique ids). ``kernels``:

@@ -41,7 +41,7 @@ from torch import nn
 from model import fused
 from model.attention import attend
 from model.cache import KVCache
-from model.kernels import BoundLinear, LinearKernel, bind
+from model.kernels import BoundLinear, LinearKernel, bind, reads_float_weight
 from model.linear import Linear, linear, uses_kernels
 from model.masks import padding_mask
 from model.transformer import DecoderLayer, EncoderLayer, Transformer
@@ -107,9 +107,14 @@ class _FewRows:
     kernels: ModuleType | None
     limit: int
 
-    def wrap(self, bound: BoundLinear, weight: torch.Tensor, bias: torch.Tensor | None) -> BoundLinear:
+    def wrap(
+        self, bound: BoundLinear, kernel: LinearKernel, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> BoundLinear:
+        """``bound`` (the layer's ``kernel`` on ``weight``, ``bias``), its products of few rows on
+        the kernels' ``linear`` where the layer computes in float32 from that float weight (not
+        int8, whose float weight may be kept for lookups or as a reference)."""
         kernels, limit = self.kernels, self.limit
-        if kernels is None or limit <= 0 or not fused.streamable(weight, bias):
+        if kernels is None or limit <= 0 or not reads_float_weight(kernel) or not fused.streamable(weight, bias):
             return bound
         linear, b = kernels.linear, _NO_BIAS if bias is None else bias
 
@@ -142,7 +147,9 @@ class _Layer:
     @classmethod
     def of(cls, layer: DecoderLayer, fast: bool, few: _FewRows) -> _Layer:
         def b(module: Linear) -> BoundLinear:
-            return few.wrap(_bound(module), module.weight, module.bias) if fast else _through_linear(module)
+            return (
+                few.wrap(_bound(module), module.kernel, module.weight, module.bias) if fast else _through_linear(module)
+            )
 
         sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
         return cls(
@@ -208,7 +215,9 @@ class DecoderStep:
         ]
         out = model.output_matrix()
         self.output = (
-            self.few_rows.wrap(bind(model.kernel, out, None), out, None) if fast else _through(model.kernel, out, None)
+            self.few_rows.wrap(bind(model.kernel, out, None), model.kernel, out, None)
+            if fast
+            else _through(model.kernel, out, None)
         )
         self.final_norm = None if model.decoder_norm is None else _Norm.of(model.decoder_norm)
         self.tokens, self.embed_scale = embed.tokens.weight, embed.scale

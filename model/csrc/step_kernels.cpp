@@ -138,14 +138,25 @@ inline void attend_one(const float* q, const float* k, int64_t ks, const float* 
 // model/step.py hands those calls back to torch.
 //
 // Each output is the sum over k of x[r][k] * w[n][k] in kVec running lanes (lane l takes
-// k = l, l + kVec, ...), the lanes added by one fixed tree: a row's result depends on neither the
-// other rows nor their number nor alignment (the same in every build of one variant).
+// k = l, l + kVec, ...), the lanes added by one fixed tree: within this kernel a row's result
+// depends on neither the other rows nor their number nor alignment (the last N % 16 outputs are
+// summed by ``dot``'s order instead). A decoder step hands products of more rows to MKL, so a
+// sentence's numbers still change, at float rounding, when others join its batch.
 #if defined(__AVX512F__)
 constexpr int kVec = 16;
 #else
 constexpr int kVec = 8;
 #endif
 typedef float vec __attribute__((vector_size(kVec * sizeof(float))));
+// Lane shuffles: clang's and GCC 12's __builtin_shufflevector, GCC's older __builtin_shuffle (the
+// same semantics: indices into the two vectors side by side) before that (Debian 11, Ubuntu 22.04;
+// TRANSLATOR_OLD_GCC_SHUFFLE forces it, to check it with a newer compiler).
+#if defined(__clang__) || (__GNUC__ >= 12 && !defined(TRANSLATOR_OLD_GCC_SHUFFLE))
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t lanes_index __attribute__((vector_size(kVec * sizeof(int32_t))));
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, lanes_index{__VA_ARGS__})
+#endif
 
 inline vec load_vec(const float* p) {
   vec v;
@@ -159,19 +170,19 @@ inline vec load_vec(const float* p) {
 inline vec totals(const vec* a) {
   vec t[8], u[4], w[2];
   for (int i = 0; i < 8; i++) {
-    t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    t[i] = SHUFFLE(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUFFLE(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   }
   for (int i = 0; i < 4; i++) {
-    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    u[i] = SHUFFLE(t[2 * i], t[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           SHUFFLE(t[2 * i], t[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   }
   for (int i = 0; i < 2; i++) {
-    w[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    w[i] = SHUFFLE(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           SHUFFLE(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   }
-  return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return SHUFFLE(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         SHUFFLE(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 // (rows, weight rows) a tile computes at once: at most kVec accumulators, 16 weight rows a block
 template <int Rows> constexpr int kTileN = Rows >= 3 ? 4 : 8;
@@ -179,15 +190,15 @@ template <int Rows> constexpr int kTileN = Rows >= 3 ? 4 : 8;
 inline vec totals(const vec* a) {
   vec t[4], u[2];
   for (int i = 0; i < 4; i++) {
-    t[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    t[i] = SHUFFLE(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUFFLE(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
   }
   for (int i = 0; i < 2; i++) {
-    u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
-           __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    u[i] = SHUFFLE(t[2 * i], t[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           SHUFFLE(t[2 * i], t[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
   }
-  return __builtin_shufflevector(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14) +
-         __builtin_shufflevector(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15);
+  return SHUFFLE(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         SHUFFLE(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15);
 }
 template <int Rows> constexpr int kTileN = Rows >= 3 ? 2 : Rows == 2 ? 4 : 8;
 #endif
@@ -352,6 +363,7 @@ torch::Tensor encoder_attend(const torch::Tensor& qkv, const torch::Tensor& mask
                   mask.size(0) * mask.size(1) == rows,
               "mask must be a contiguous (B, S) bool tensor with B x S = qkv's rows");
   const int64_t s = mask.size(1);
+  TORCH_CHECK(s > 0 && dh > 0, "encoder_attend: no positions or no head width");
   auto out = torch::empty({rows, d}, qkv.options());
   const float* x = qkv.data_ptr<float>();
   const bool* m = mask.data_ptr<bool>();

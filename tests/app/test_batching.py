@@ -503,15 +503,15 @@ def test_the_idle_hook_waits_for_a_pause_in_the_traffic() -> None:
         for _ in range(5):
             assert same(await result(h.scheduler.submit([SHORT], GREEDY)[0]), alone(SHORT, GREEDY))
         assert h.idle == [0]  # back to back: no hook in between
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.5)
         assert h.idle == [0]
-        for _ in range(300):
+        for _ in range(1000):
             if len(h.idle) == 2:
                 break
             await asyncio.sleep(0.01)
         assert h.idle == [0, 5 * steps_alone(SHORT, GREEDY)]  # once the pause is long enough
 
-    with Harness(idle_delay_s=0.5) as h:
+    with Harness(idle_delay_s=2.0) as h:
         asyncio.run(scenario(h))
 
 

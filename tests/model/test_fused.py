@@ -135,6 +135,29 @@ def test_decoder_steps_run_few_rows_on_the_kernels_and_more_on_torch(variant: st
                 assert torch.equal(got, kernels.bind(layer.kernel, layer.weight, layer.bias)(x, True))
 
 
+def test_int8_layers_keep_their_kernel_at_few_rows() -> None:
+    """An int8 model's step layers and output projection run int8 at every row count: the
+    kernels' float ``linear`` never takes a layer whose kernel is not a float one, even where
+    the float weight is still there (a tied model's embeddings, or weights kept as a reference)."""
+    try:
+        plan = kernels.choose("cpu", "int8")
+    except kernels.UnsupportedPrecision as err:
+        pytest.skip(str(err))
+    model = make_model()
+    kernels.install(model, plan, model.step_linears())
+    require(model.fused_step is not None, "the fused step kernels do not build here")
+    layer = model.decoder_layers[0].ff.fc1
+    with torch.inference_mode():
+        step = DecoderStep(model)
+        assert step.few_rows.limit > 0
+        x = torch.randn(1, layer.weight.shape[1])
+        assert torch.equal(step.layers[0].fc1(x, True), kernels.bind(layer.kernel, layer.weight, layer.bias)(x, True))
+        out = model.output_matrix()
+        assert fused.streamable(out, None)  # the float weight is there, and still not used
+        assert torch.equal(step.output(x, False), kernels.bind(model.kernel, out, None)(x, False))
+    assert not kernels.reads_float_weight(layer.kernel) and kernels.reads_float_weight(kernels.aten)
+
+
 @pytest.mark.parametrize("variant", RUNNABLE)
 def test_the_encoder_runs_its_attention_and_joins_on_the_kernels(variant: str) -> None:
     """``EncoderPass`` on the kernels (padded sentences, post-LN and pre-LN) gives the modules'
@@ -177,6 +200,13 @@ def test_the_cache_reorder_copies_what_index_select_does() -> None:
     assert torch.equal(shared[:3], want_v) and not shared[3:].any()
     with pytest.raises(RuntimeError, match="out of range"):
         kernels_module.gather_rows_(k, v, torch.tensor([5]), dst, dst)
+    wide = torch.randn(5, 4, 9, 16)  # head_dim 8 of 16: a head's positions are not one block
+    narrow_k, narrow_v = wide[:, :, 2:8, :8], wide[:, :, 2:8, 8:]
+    out = torch.full((4, 4, 6, 16), float("nan"))
+    out_k, out_v = out[..., :8], out[..., 8:]
+    kernels_module.gather_rows_(narrow_k, narrow_v, rows, out_k, out_v)
+    assert torch.equal(out_k[:3], narrow_k[rows]) and torch.equal(out_v[:3], narrow_v[rows])
+    assert not out[3].any()
 
 
 def test_joining_sentences_memory_and_bias_rows_are_the_tensor_operations_ones(shipped: Path) -> None:
@@ -224,7 +254,9 @@ def test_the_shipped_model_translates_the_same_on_both_paths(shipped: Path, data
             assert all(a.ids == b.ids and a.score == pytest.approx(b.score, abs=1e-4) for a, b in pairs)
         else:  # activations quantized per call: a rounding apart moves a scale, so scores move more
             same = [a for a, b in pairs if a.ids == b.ids]
-            assert len(same) >= 46
+            # (the encoder runs on the kernels too: capped to AVX2, 7-bit activations, 44 of 48 on
+            # 2026-11-27; 46 or more uncapped)
+            assert len(same) >= 42
             # (capped to AVX2, 7-bit activations (reduce_range): up to 0.07 apart on 2026-11-27)
             assert all(a.score == pytest.approx(b.score, abs=0.15) for a, b in pairs if a.ids == b.ids)
 
