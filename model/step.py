@@ -66,6 +66,15 @@ def step_dtype(model: Transformer) -> torch.dtype:
     return _position_table(model).dtype
 
 
+def _fused_kernels(model: Transformer, fast: bool) -> ModuleType | None:
+    """The fused kernels (``model.fused``) a pass of ``model`` runs on: those the model names,
+    where it runs float32 on the CPU's bound kernels (``fast``); else None."""
+    positions = _position_table(model)
+    if fast and positions.dtype == torch.float32 and positions.device.type == "cpu":
+        return fused.load(model.fused_step)
+    return None
+
+
 def _bound(module: Linear) -> BoundLinear:
     return bind(module.kernel, module.weight, module.bias)
 
@@ -124,6 +133,21 @@ class _FewRows:
             return bound(x, relu)
 
         return run
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x (R, K) wᵀ for a float weight (N, K) that is a new tensor at every call (a shortlist's
+        rows), so checked here with attribute reads only; ``F.linear`` where it does not fit."""
+        kernels = self.kernels
+        if (
+            kernels is not None
+            and x.shape[0] <= self.limit
+            and weight.dtype == torch.float32
+            and weight.shape[1] % 16 == 0
+            and weight.is_contiguous()
+            and x.is_contiguous()
+        ):
+            return kernels.linear(x, weight, _NO_BIAS, False)
+        return F.linear(x, weight)
 
 
 _NO_BIAS = torch.empty(0)
@@ -201,12 +225,8 @@ class DecoderStep:
         fast = uses_kernels(_device(model))
         embed = model.tgt_embed
         self.positions = _position_table(model)
-        # The fused kernels (model.fused) where the model names them and the step runs float32
-        # on the CPU's bound kernels; the scale as the float they take; the memory mask's rows.
-        cpu_float = fast and self.positions.dtype == torch.float32 and self.positions.device.type == "cpu"
-        self.fused = fused.load(model.fused_step) if cpu_float else None
+        self.fused = _fused_kernels(model, fast)
         self.few_rows = _FewRows(self.fused, fused.few_rows_limit(model.fused_step) if self.fused else 0)
-        self._few_output = self.few_rows.limit > 0 and cfg.d_model % 16 == 0  # a shortlist's rows (C, D) on them
         self.layers = [_Layer.of(layer, fast, self.few_rows) for layer in model.decoder_layers]
         # each layer's cross-attention K/V projection, for the memory of sentences that join
         self.cross_kv = [
@@ -223,6 +243,7 @@ class DecoderStep:
         self.tokens, self.embed_scale = embed.tokens.weight, embed.scale
         self.max_positions = embed.max_positions
         self._memory: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (mask, its bias)
+        # for the fused kernels: the scale as the float they take; the memory mask's rows
         self.scale_value = 1.0 / math.sqrt(self.head_dim)
         self._memory_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (mask, mask[:, 0, 0])
 
@@ -285,16 +306,7 @@ class DecoderStep:
             x = self.final_norm(x)
         if output is None:
             return self.output(x, False)
-        few = self.few_rows  # (the shortlist's rows: a new view every step, so only its cheap checks here)
-        if (
-            self._few_output
-            and x.shape[0] <= few.limit
-            and output.dtype == torch.float32
-            and output.is_contiguous()
-            and x.is_contiguous()
-        ):
-            return few.kernels.linear(x, output, _NO_BIAS, False)  # type: ignore[union-attr]
-        return F.linear(x, output)
+        return self.few_rows.product(x, output)
 
     def _layers(
         self, x: torch.Tensor, cache: KVCache, memory_mask: torch.Tensor, self_mask: torch.Tensor | None
@@ -402,11 +414,10 @@ class EncoderPass:
         fast = uses_kernels(_device(model))
         self.layers = [_EncoderLayer.of(layer, fast) for layer in model.encoder_layers]
         self.final_norm = None if model.encoder_norm is None else _Norm.of(model.encoder_norm)
-        # the fused kernels' attention and post-LN joins where the decoder step has them (float32
-        # on the CPU's bound kernels): at one sentence the encoder's SDPA, head permutes, adds and
-        # norms cost a third of its time (docs/benchmarks.md "Small-row matrix products")
-        float_cpu = step_dtype(model) == torch.float32 and _device(model).type == "cpu"
-        self.fused = fused.load(model.fused_step) if fast and float_cpu else None
+        # the fused kernels' attention and post-LN joins where the decoder step has them: at one
+        # sentence the encoder's SDPA, head permutes, adds and norms cost a third of its time
+        # (docs/benchmarks.md "Small-row matrix products")
+        self.fused = _fused_kernels(model, fast)
         self.scale = 1.0 / math.sqrt(cfg.d_model // cfg.n_heads)
 
     def __call__(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

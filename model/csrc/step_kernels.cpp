@@ -391,9 +391,8 @@ void gather_rows_(const torch::Tensor& src_k, const torch::Tensor& src_v, const 
               "rows must be a contiguous int64 CPU vector");
   const int64_t n = rows.numel();
   const int64_t* index = rows.data_ptr<int64_t>();
-  for (const auto* pair : {&src_k, &src_v}) {
-    check_cache(*pair, "src");
-  }
+  check_cache(src_k, "src_k");
+  check_cache(src_v, "src_v");
   check_cache(dst_k, "dst_k");
   check_cache(dst_v, "dst_v");
   for (int64_t i = 0; i < n; i++) {
