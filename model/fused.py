@@ -9,8 +9,9 @@ search's bookkeeping (``model.beams.Beams.advance``), the KV cache's reorder, an
 sentences the encoder's self-attention, the shortlist's candidates and bias rows and the
 cross-attention K/V split into heads. It also has a matrix product for a few rows (``linear``,
 up to ``FEW_ROWS``), which streams the weights faster than MKL's sgemm there ("Small-row matrix
-products"). ``model.step``, ``Beams``, ``DecodeSession``, ``KVCache`` and ``Vocabulary`` use them
-when the model names them (``Transformer.fused_step``), and their own tensor operations
+products"), and one for up to a few hundred rows on weights packed into panels (``panel_linear``,
+up to ``PANEL_ROWS``: "Packed panels"). ``model.step``, ``Beams``, ``DecodeSession``, ``KVCache``
+and ``Vocabulary`` use them when the model names them (``Transformer.fused_step``), and their own tensor operations
 otherwise, with the same results to float rounding (tests/model/test_fused.py, and
 tests/model/test_decoding.py on both paths).
 
@@ -57,6 +58,14 @@ FLAGS: dict[str, list[str]] = {
 # 487 against 469 at 3 (one run each, within this host's noise), worse from 6; the default build
 # (SSE, no FMA) slower than MKL from 4 rows (docs/benchmarks.md "Small-row matrix products").
 FEW_ROWS: dict[str, int] = {"avx512": 4, "avx2": 4, "baseline": 0}
+# Products of more rows than that, up to this many, run on a copy of the weight packed into panels
+# (``pack_panels`` / ``panel_linear``: the broadcast form, outputs held in registers across the
+# whole reduction). The encoder's and the step's 12 float32 products [Intel Xeon f6, AVX-512+bf16],
+# µs, MKL's sgemm against panels: 8 rows 415 / 304, 14 rows 569 / 314, 32 rows 986 / 583, 64 rows
+# 1,197 / 1,079, 256 rows 4,607 / 3,743; AVX2 build (capped to AVX2) 8 rows 551 / 340, 64 rows
+# 1,755 / 1,524, 256 rows 5,974 / 5,609 (docs/benchmarks.md "Packed panels"). Not in the default
+# build (no FMA: not measured faster).
+PANEL_ROWS: dict[str, int] = {"avx512": 256, "avx2": 256, "baseline": 0}
 
 # -fopenmp: at::parallel_for's OpenMP and the `omp simd` loops; -fno-trapping-math: lets the
 # compiler vectorize loops with float comparisons in them (the kernels never read FP exceptions)
@@ -89,15 +98,29 @@ def few_rows_limit(variant: str | None) -> int:
     return 0 if variant is None else FEW_ROWS.get(variant, 0)
 
 
+def panel_rows_limit(variant: str | None) -> int:
+    """The most rows a product on ``variant``'s packed panels takes (``PANEL_ROWS``; 0: none)."""
+    return 0 if variant is None else PANEL_ROWS.get(variant, 0)
+
+
+def packable(weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> bool:
+    """Whether the kernels' ``pack_panels`` takes this weight (N, K) and ``panel_linear`` this
+    bias (N): float32 CPU tensors with storage, contiguous, N a multiple of the panel ``width``."""
+    return _plain(weight, 2) and weight.shape[0] % width == 0 and (bias is None or _fits(bias, weight))
+
+
+def _plain(t: torch.Tensor, dim: int) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == dim and t.is_contiguous()
+
+
+def _fits(bias: torch.Tensor, weight: torch.Tensor) -> bool:
+    return _plain(bias, 1) and bias.shape[0] == weight.shape[0]
+
+
 def streamable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the kernels' ``linear`` reads this weight (N, K) and bias (N) as they are: float32
     CPU tensors with storage (not placeholders of released weights), contiguous, K a multiple of 16."""
-
-    def plain(t: torch.Tensor, dim: int) -> bool:
-        return t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == dim and t.is_contiguous()
-
-    fits = bias is None or (plain(bias, 1) and bias.shape[0] == weight.shape[0])
-    return plain(weight, 2) and weight.shape[1] % 16 == 0 and fits
+    return _plain(weight, 2) and weight.shape[1] % 16 == 0 and (bias is None or _fits(bias, weight))
 
 
 def _find_ninja() -> None:

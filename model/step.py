@@ -110,26 +110,41 @@ class _Norm:
 class _FewRows:
     """Products of at most ``limit`` rows on the fused kernels' own matrix product (``linear``:
     the weights streamed with a prefetch, bias and ReLU in the same pass; ~30% faster than MKL at
-    4 rows, ~10% at one: docs/benchmarks.md "Small-row matrix products"); more rows, or a weight
-    it cannot read (packed int8 or oneDNN weights, a float16 table), on the bound kernel."""
+    4 rows, ~10% at one: docs/benchmarks.md "Small-row matrix products"), and of up to
+    ``panel_limit`` rows on a copy of the weight packed into panels (``panel_linear``, packed at
+    the layer's first such call; faster than MKL from 5 rows to a few hundred: "Packed panels");
+    more rows, or a weight they cannot read (packed int8 or oneDNN weights, a float16 table), on
+    the bound kernel."""
 
     kernels: ModuleType | None
     limit: int
+    panel_limit: int = 0
 
     def wrap(
         self, bound: BoundLinear, kernel: LinearKernel, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> BoundLinear:
         """``bound`` (the layer's ``kernel`` on ``weight``, ``bias``), its products of few rows on
-        the kernels' ``linear`` where the layer computes in float32 from that float weight (not
-        int8, whose float weight may be kept for lookups or as a reference)."""
-        kernels, limit = self.kernels, self.limit
-        if kernels is None or limit <= 0 or not reads_float_weight(kernel) or not fused.streamable(weight, bias):
+        the kernels' ``linear`` and its products of more, up to ``panel_limit``, on its packed
+        panels, where the layer computes in float32 from that float weight (not int8, whose float
+        weight may be kept for lookups or as a reference)."""
+        kernels = self.kernels
+        if kernels is None or not reads_float_weight(kernel):
             return bound
-        linear, b = kernels.linear, _NO_BIAS if bias is None else bias
+        few = self.limit if fused.streamable(weight, bias) else 0
+        panel_limit = self.panel_limit if fused.packable(weight, bias, kernels.panel_width()) else 0
+        if few <= 0 and panel_limit <= few:
+            return bound
+        linear, panel_linear, b = kernels.linear, kernels.panel_linear, _NO_BIAS if bias is None else bias
+        packed: list[torch.Tensor] = []  # the panels, made at the first product that takes them
 
         def run(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
-            if x.shape[0] <= limit and x.is_contiguous():
+            rows = x.shape[0]
+            if rows <= few and x.is_contiguous():
                 return linear(x, weight, b, relu)
+            if rows <= panel_limit and x.is_contiguous():
+                if not packed:
+                    packed.append(kernels.pack_panels(weight))
+                return panel_linear(x, packed[0], b, relu)
             return bound(x, relu)
 
         return run
@@ -153,6 +168,20 @@ class _FewRows:
 _NO_BIAS = torch.empty(0)
 
 
+def _few_rows(model: Transformer, kernels: ModuleType | None) -> _FewRows:
+    """The small-product kernels of ``model``'s passes: the fused kernels' limits for its variant."""
+    if kernels is None:
+        return _FewRows(None, 0)
+    variant = model.fused_step
+    return _FewRows(kernels, fused.few_rows_limit(variant), fused.panel_rows_limit(variant))
+
+
+def _bind(module: Linear, fast: bool, few: _FewRows) -> BoundLinear:
+    """``module`` bound to its kernel, its small products on the fused kernels (``_FewRows``);
+    where the kernels do not run (``fast`` false), the module's own path."""
+    return few.wrap(_bound(module), module.kernel, module.weight, module.bias) if fast else _through_linear(module)
+
+
 @dataclass(frozen=True)
 class _Layer:
     """One decoder layer's weights, bound: self-attention (fused QKV, output), cross-attention
@@ -171,9 +200,7 @@ class _Layer:
     @classmethod
     def of(cls, layer: DecoderLayer, fast: bool, few: _FewRows) -> _Layer:
         def b(module: Linear) -> BoundLinear:
-            return (
-                few.wrap(_bound(module), module.kernel, module.weight, module.bias) if fast else _through_linear(module)
-            )
+            return _bind(module, fast, few)
 
         sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
         return cls(
@@ -226,13 +253,10 @@ class DecoderStep:
         embed = model.tgt_embed
         self.positions = _position_table(model)
         self.fused = _fused_kernels(model, fast)
-        self.few_rows = _FewRows(self.fused, fused.few_rows_limit(model.fused_step) if self.fused else 0)
+        self.few_rows = _few_rows(model, self.fused)
         self.layers = [_Layer.of(layer, fast, self.few_rows) for layer in model.decoder_layers]
         # each layer's cross-attention K/V projection, for the memory of sentences that join
-        self.cross_kv = [
-            _bound(layer.cross_attn.kv) if fast else _through_linear(layer.cross_attn.kv)
-            for layer in model.decoder_layers
-        ]
+        self.cross_kv = [_bind(layer.cross_attn.kv, fast, self.few_rows) for layer in model.decoder_layers]
         out = model.output_matrix()
         self.output = (
             self.few_rows.wrap(bind(model.kernel, out, None), model.kernel, out, None)
@@ -377,8 +401,10 @@ class _EncoderLayer:
     ff_norm: _Norm
 
     @classmethod
-    def of(cls, layer: EncoderLayer, fast: bool) -> _EncoderLayer:
-        b = _bound if fast else _through_linear
+    def of(cls, layer: EncoderLayer, fast: bool, few: _FewRows) -> _EncoderLayer:
+        def b(module: Linear) -> BoundLinear:
+            return _bind(module, fast, few)
+
         sa, ff = layer.self_attn, layer.ff
         return cls(
             b(sa.qkv), b(sa.out), b(ff.fc1), b(ff.fc2),
@@ -412,12 +438,14 @@ class EncoderPass:
         self.model = model
         self.heads, self.pad_id, self.norm_first = cfg.n_heads, cfg.pad_id, cfg.norm_first
         fast = uses_kernels(_device(model))
-        self.layers = [_EncoderLayer.of(layer, fast) for layer in model.encoder_layers]
-        self.final_norm = None if model.encoder_norm is None else _Norm.of(model.encoder_norm)
-        # the fused kernels' attention and post-LN joins where the decoder step has them: at one
-        # sentence the encoder's SDPA, head permutes, adds and norms cost a third of its time
-        # (docs/benchmarks.md "Small-row matrix products")
+        # the fused kernels' attention, post-LN joins and small products where the decoder step
+        # has them: at one sentence the encoder's SDPA, head permutes, adds and norms cost a third
+        # of its time (docs/benchmarks.md "Small-row matrix products"), and MKL runs its products
+        # of a few sentences' rows far below its peak ("Packed panels")
         self.fused = _fused_kernels(model, fast)
+        few = _few_rows(model, self.fused)
+        self.layers = [_EncoderLayer.of(layer, fast, few) for layer in model.encoder_layers]
+        self.final_norm = None if model.encoder_norm is None else _Norm.of(model.encoder_norm)
         self.scale = 1.0 / math.sqrt(cfg.d_model // cfg.n_heads)
 
     def __call__(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

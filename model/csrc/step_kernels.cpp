@@ -774,6 +774,100 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch
   return out;
 }
 
+// ---- Matrix products of a few dozen rows, on weights packed into panels ------------------------
+// From ~8 rows the dot-product form of ``linear`` runs below MKL, and MKL itself is far from the
+// FMA peak below ~64 rows (its per-call packing and blocking): the encoder of a few sentences
+// (10-100 rows) and a decoder step of 2-16 sentences at beam 4 run there. This product is the
+// broadcast form on a copy of the weight packed once: panels of kPanel weight rows, each stored
+// transposed (K, kPanel), so a block of up to kPanelRows rows by one panel keeps its outputs in
+// 2 x rows accumulator vectors, and each k loads the panel's two vectors and broadcasts one x value
+// per row (docs/benchmarks.md "Packed panels"). Each output is summed over k in order, so a row's
+// result depends on neither the other rows nor their number.
+constexpr int64_t kPanel = 2 * kVec;
+// rows of a block: 2 accumulators a row, two weight vectors and the broadcast fit the registers
+// (32 zmm with AVX-512; 16 ymm with AVX2)
+constexpr int kPanelRows = kVec == 16 ? 8 : 6;
+
+template <int Rows>
+inline void panel_block(const float* x, int64_t k, const float* panel, const float* bias, bool relu, float* out,
+                        int64_t n) {
+  vec acc[Rows][2];
+  for (int r = 0; r < Rows; r++) acc[r][0] = acc[r][1] = vec{};
+  for (int64_t j = 0; j < k; j++) {
+    const vec w0 = load_vec(panel + j * kPanel), w1 = load_vec(panel + j * kPanel + kVec);
+    for (int r = 0; r < Rows; r++) {
+      const float xr = x[r * k + j];
+      acc[r][0] += xr * w0;
+      acc[r][1] += xr * w1;
+    }
+  }
+  const vec b0 = bias != nullptr ? load_vec(bias) : vec{}, b1 = bias != nullptr ? load_vec(bias + kVec) : vec{};
+  for (int r = 0; r < Rows; r++) {
+    vec o0 = acc[r][0] + b0, o1 = acc[r][1] + b1;
+    if (relu) {
+      o0 = o0 > 0 ? o0 : vec{};
+      o1 = o1 > 0 ? o1 : vec{};
+    }
+    std::memcpy(out + r * n, &o0, sizeof o0);
+    std::memcpy(out + r * n + kVec, &o1, sizeof o1);
+  }
+}
+
+template <int Rows>
+inline void panel_rest(const float* x, int64_t k, const float* panel, const float* bias, bool relu, float* out,
+                       int64_t n, int64_t rest) {
+  if constexpr (Rows > 0) {
+    if (rest == Rows) return panel_block<Rows>(x, k, panel, bias, relu, out, n);
+    panel_rest<Rows - 1>(x, k, panel, bias, relu, out, n, rest);
+  }
+}
+
+int64_t panel_width() { return kPanel; }
+
+// w (N, K), N a multiple of panel_width() -> its panels (N / panel_width(), K, panel_width()):
+// panel p holds weight rows [p * width, (p + 1) * width), transposed.
+torch::Tensor pack_panels(const torch::Tensor& w) {
+  check_rows(w, "w");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n > 0 && k > 0 && n % kPanel == 0, "pack_panels: N (", n, ") must be a multiple of ", kPanel);
+  return w.view({n / kPanel, kPanel, k}).transpose(1, 2).contiguous();
+}
+
+// x (R, K) times the weight packed by pack_panels (N / width, K, width), plus bias (N; an empty
+// tensor: none), ReLU'd when `relu` -> (R, N).
+torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& bias,
+                           bool relu) {
+  check_rows(x, "x");
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kFloat32 && panels.dim() == 3 &&
+                  panels.is_contiguous() && panels.size(2) == kPanel && panels.size(1) == x.size(1),
+              "panels must be pack_panels' (N / ", kPanel, ", K, ", kPanel, ") of a weight with x's K");
+  const int64_t rows = x.size(0), k = x.size(1), count = panels.size(0), n = count * kPanel;
+  const bool biased = bias.numel() > 0;
+  if (biased) {
+    TORCH_CHECK(bias.device().is_cpu() && bias.scalar_type() == torch::kFloat32 && bias.dim() == 1 &&
+                    bias.size(0) == n && bias.is_contiguous(),
+                "bias must be a contiguous float32 (N) CPU vector");
+  }
+  auto out = torch::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  const float* bp = biased ? bias.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(1, kPanel * k * rows));
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; p++) {
+      const float* panel = wp + p * k * kPanel;
+      const float* b = bp == nullptr ? nullptr : bp + p * kPanel;
+      int64_t r = 0;
+      for (; r + kPanelRows <= rows; r += kPanelRows) {
+        panel_block<kPanelRows>(xp + r * k, k, panel, b, relu, op + r * n + p * kPanel, n);
+      }
+      if (r < rows) panel_rest<kPanelRows - 1>(xp + r * k, k, panel, b, relu, op + r * n + p * kPanel, n, rows - r);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("self_attend", &self_attend, "self-attention of one decoder step (writes the cache)");
   m.def("cross_attend", &cross_attend, "cross-attention of one decoder step");
@@ -785,5 +879,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("split_kv", &split_kv, "joining sentences' cross-attention K and V, heads apart");
   m.def("own_bias", &own_bias, "a shortlist's bias rows: 0 at each sentence's own columns, -inf elsewhere");
   m.def("linear", &linear, "a linear layer for a few rows: x w^T + bias, optionally ReLU'd");
+  m.def("panel_width", &panel_width, "weight rows a panel of pack_panels holds");
+  m.def("pack_panels", &pack_panels, "a weight (N, K) as panel_linear reads it");
+  m.def("panel_linear", &panel_linear, "a linear layer on packed panels: x w^T + bias, optionally ReLU'd");
   m.def("embed", &embed, "a decoder step's input: position + scale * token embedding");
 }

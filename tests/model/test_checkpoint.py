@@ -82,11 +82,12 @@ def test_inference_reads_the_embeddings_once_and_in_float16_where_exact(
     (The reference keeps its float weights, so ``onednn`` would hand its one-row calls to
     ``F.linear``, which rounds differently from the packed call the lean model makes at every row
     count; the reference runs packed at every row count too, so that only the release differs. For
-    the same reason neither runs its few-row products on the fused kernels' ``linear``, which reads
-    only kept float weights.)"""
+    the same reason neither runs its small products on the fused kernels' ``linear`` or packed
+    panels, which read only kept float weights.)"""
     monkeypatch.setattr(kernels, "ATEN_MAX_ROWS", 0)
     for variant in list(fused.FEW_ROWS):
         monkeypatch.setitem(fused.FEW_ROWS, variant, 0)
+        monkeypatch.setitem(fused.PANEL_ROWS, variant, 0)
     packed_plan(precision)
     torch.manual_seed(3)
     model = Transformer(tiny_config(tiny_tokenizer.vocab_size, share_embeddings=tied)).eval()

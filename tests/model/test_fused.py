@@ -98,6 +98,36 @@ def test_few_row_products_are_torchs_to_float_rounding(variant: str) -> None:
         linear(torch.randn(2, 24), torch.randn(8, 24), torch.empty(0), False)
 
 
+@pytest.mark.parametrize("variant", RUNNABLE)
+def test_panel_products_are_torchs_to_float_rounding(variant: str) -> None:
+    """The product on packed panels: x wᵀ + bias (or none), ReLU'd or not, at 1-70 rows (whole
+    blocks of rows and every remainder), K of any size; each row's result is the same bits
+    whatever rows come with it; weights it cannot pack are refused."""
+    kernels_module = fused.load(built(variant))
+    assert kernels_module is not None
+    width = kernels_module.panel_width()
+    assert width in (16, 32)
+    torch.manual_seed(0)
+    for n, k in [(width, 24), (3 * width, 256), (2 * width, 1024)]:
+        w, b = torch.randn(n, k) / k**0.5, torch.randn(n)
+        panels = kernels_module.pack_panels(w)
+        assert panels.shape == (n // width, k, width)
+        for rows in (1, 5, 7, 8, 9, 17, 70):
+            x = torch.randn(rows, k)
+            for bias in (b, None):
+                want = x @ w.t() if bias is None else torch.addmm(bias, x, w.t())
+                for relu in (False, True):
+                    got = kernels_module.panel_linear(x, panels, torch.empty(0) if bias is None else bias, relu)
+                    torch.testing.assert_close(got, want.relu() if relu else want, atol=3e-5, rtol=1e-5)
+            alone = kernels_module.panel_linear(x[-1:].clone(), panels, b, False)
+            assert torch.equal(alone[0], kernels_module.panel_linear(x, panels, b, False)[-1])
+    with pytest.raises(RuntimeError, match="multiple of"):
+        kernels_module.pack_panels(torch.randn(width + 1, 8))
+    with pytest.raises(RuntimeError, match="panels must be"):
+        other_k = kernels_module.pack_panels(torch.randn(width, 8))
+        kernels_module.panel_linear(torch.randn(2, 16), other_k, torch.empty(0), False)
+
+
 def test_few_row_products_follow_the_variant_and_the_weights() -> None:
     """Which products run on the kernels' ``linear``: up to 4 rows on the AVX-512 and AVX2
     builds, none on the default build (slower than MKL there); only weights it can read as they
@@ -110,29 +140,44 @@ def test_few_row_products_follow_the_variant_and_the_weights() -> None:
     assert not fused.streamable(w.t(), None)
     assert not fused.streamable(torch.randn(32, 24), None)
     assert not fused.streamable(w, torch.zeros(31))
+    assert [fused.panel_rows_limit(v) for v in ("avx512", "avx2", "baseline", None)] == [256, 256, 0, 0]
+    assert fused.packable(w, None, 32) and fused.packable(w, torch.zeros(32), 16)
+    assert fused.packable(torch.randn(32, 24), None, 32)  # any K
+    assert not fused.packable(torch.randn(48, 64), None, 32)  # N not whole panels
+    assert not fused.packable(w.half(), None, 32)
+    assert not fused.packable(torch.empty(32, 64, device="meta"), None, 32)
+    assert not fused.packable(w.t(), None, 32)
+    assert not fused.packable(w, torch.zeros(31), 32)
 
 
 @pytest.mark.parametrize("variant", RUNNABLE)
-def test_decoder_steps_run_few_rows_on_the_kernels_and_more_on_torch(variant: str) -> None:
-    """A bound layer of the step: at most the variant's limit of rows gives the kernels' exact
-    result, more rows the layer's own kernel's (MKL's sgemm on Intel CPUs)."""
+def test_small_products_run_on_the_kernels_and_large_ones_on_torch(variant: str) -> None:
+    """A bound layer of the decoder step and of the encoder: at most the variant's few-row limit
+    gives the kernels' ``linear`` exactly, up to its panel limit the product on the layer's
+    packed panels, more rows the layer's own kernel's (MKL's sgemm on Intel CPUs)."""
     model = make_model()
     model.fused_step = built(variant)
-    layer = model.decoder_layers[0].ff.fc1
-    kernels_linear = fused.load(variant).linear  # type: ignore[union-attr]
+    kernels_module = fused.load(variant)
+    assert kernels_module is not None
     with torch.inference_mode():
-        step = DecoderStep(model)
-        limit = step.few_rows.limit
-        assert limit == fused.few_rows_limit(variant)
-        for rows in (1, limit, limit + 1, 8):
-            if rows == 0:
-                continue
-            x = torch.randn(rows, layer.weight.shape[1])
-            got = step.layers[0].fc1(x, True)
-            if rows <= limit:
-                assert torch.equal(got, kernels_linear(x, layer.weight, layer.bias, True))
-            else:
-                assert torch.equal(got, kernels.bind(layer.kernel, layer.weight, layer.bias)(x, True))
+        step, encoder = DecoderStep(model), EncoderPass(model)
+        few, panel = step.few_rows.limit, step.few_rows.panel_limit
+        assert (few, panel) == (fused.few_rows_limit(variant), fused.panel_rows_limit(variant))
+        for layer, bound in [
+            (model.decoder_layers[0].ff.fc1, step.layers[0].fc1),
+            (model.encoder_layers[1].self_attn.qkv, encoder.layers[1].qkv),
+        ]:
+            assert fused.packable(layer.weight, layer.bias, kernels_module.panel_width())
+            panels = kernels_module.pack_panels(layer.weight)
+            for rows in sorted({1, few, few + 1, 8, panel, panel + 1} - {0}):
+                x = torch.randn(rows, layer.weight.shape[1])
+                got = bound(x, True)
+                if rows <= few:
+                    assert torch.equal(got, kernels_module.linear(x, layer.weight, layer.bias, True))
+                elif rows <= panel:
+                    assert torch.equal(got, kernels_module.panel_linear(x, panels, layer.bias, True))
+                else:
+                    assert torch.equal(got, kernels.bind(layer.kernel, layer.weight, layer.bias)(x, True))
 
 
 def test_int8_layers_keep_their_kernel_at_few_rows() -> None:
