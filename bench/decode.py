@@ -199,7 +199,7 @@ def in_length_order(items: Sequence[T], lengths: Sequence[int], size: int, fn: C
 
 def batch_limit(src_lengths: Sequence[int], options: DecodingOptions, cap: int) -> int:
     """Most tokens (EOS included) a batch may generate: ours' limit for its longest source (+EOS)."""
-    return int(max_steps(torch.tensor([n + 1 for n in src_lengths]), options, cap).max())
+    return max(max_steps([n + 1 for n in src_lengths], options, cap))
 
 
 def setup_ours(ckpt: Checkpoint, batch_size: int, options: DecodingOptions, shortlist: bool = True) -> Translate:

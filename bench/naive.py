@@ -28,7 +28,7 @@ def greedy_ids(model: Transformer, src_ids: Sequence[int], options: DecodingOpti
     device = next(model.parameters()).device
     src = torch.tensor([[*src_ids, cfg.eos_id]], device=device)  # (1, S)
     memory, mask, _ = model.encode(src)  # (1, S, D), (1, 1, 1, S)
-    limit = int(max_steps(torch.tensor([src.shape[1]]), options, cfg.max_tokens)[0])
+    limit = max_steps([src.shape[1]], options, cfg.max_tokens)[0]
     out = [cfg.bos_id]
     for _ in range(limit):
         tgt = torch.tensor([out], device=device)  # (1, t): the whole prefix, every step

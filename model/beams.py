@@ -111,17 +111,24 @@ class Beams:
         """b sentences join, each decoded for at most ``steps`` steps."""
         self.done = None
         scores = self.only_first.expand(b, -1)
+        history = self.history.new_full((b, self.k, steps), self.pad_id)
+        if self.scores.shape[0] == 0:  # no sentence yet (one at a time: each joins an empty batch)
+            self.scores, self.history = scores.contiguous(), history
+            self.length = self.length.new_zeros(b, self.k)
+            self.finished, self.eos = self.finished.new_zeros(b, self.k), self.eos.new_zeros(b, self.k)
+            return
         self.scores = torch.cat([self.scores, scores])
         self.length = torch.cat([self.length, self.length.new_zeros(b, self.k)])
         self.finished = torch.cat([self.finished, self.finished.new_zeros(b, self.k)])
         self.eos = torch.cat([self.eos, self.eos.new_zeros(b, self.k)])
         # (positions past a sentence's own limit are never read, whatever cat_padded put there)
-        self.history = cat_padded(self.history, self.history.new_full((b, self.k, steps), self.pad_id), dim=2)
+        self.history = cat_padded(self.history, history, dim=2)
 
     def advance(
         self,
         logits: torch.Tensor,
-        step: torch.Tensor,
+        start: torch.Tensor,
+        now: int,
         alpha: float,
         eos_id: int,
         vocab: torch.Tensor | None = None,
@@ -129,7 +136,9 @@ class Beams:
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """logits: (A, W, V) float32 next-token logits of each sentence's first W hypotheses
         (W = 1 at a batch's first step, else K; may be overwritten with their log-probabilities),
-        step: (A,) each sentence's steps so far, vocab: (V,) the token id of each logit column
+        start: (A,) the step each sentence joined at, ``now`` the batch's step (a sentence has
+        decoded now - start steps so far: the subtraction is the kernels', not a tensor
+        operation a step), vocab: (V,) the token id of each logit column
         when the logits cover a shortlist (None: column i is token i), bias: (A, 1, V) added to
         the logits first (a shortlist's -inf outside each sentence's own columns), or None
         -> back-pointer rows (A*K,) into the A*W (None for greedy search: rows stay in
@@ -154,12 +163,13 @@ class Beams:
             empty = _EMPTY[logits.device]
             state = (self.scores, self.length, self.finished, self.eos, self.history)
             state, self.done = self.kernels.advance(
-                logits, empty[0] if bias is None else bias, empty[1] if vocab is None else vocab, step, *state,
+                logits, empty[0] if bias is None else bias, empty[1] if vocab is None else vocab, start, now, *state,
                 alpha, eos_id, self.pad_id,
             )  # fmt: skip
             self.scores, tok, back, self.history, self.eos, self.length, self.finished = state
             return (back if k > 1 else None), tok
         self.done = None
+        step = now - start  # (A,)
         if bias is not None:
             logits.add_(bias)
         logp = torch.log_softmax(logits, dim=-1, out=logits).view(a * w, columns)  # in place: no second (R, V) buffer

@@ -11,6 +11,7 @@ joined are masked out of its rows. ``decode_stream`` is a session given one batc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -53,12 +54,14 @@ class DecodingOptions:
             raise ValueError("length_penalty, max_length_a and max_length_b must be >= 0")
 
 
-def max_steps(src_lengths: torch.Tensor, options: DecodingOptions, cap: int) -> torch.Tensor:
-    """Per-sentence limit on generated tokens (EOS included). src_lengths: (B,) -> (B,)."""
-    limit = torch.ceil(src_lengths.double() * options.max_length_a).long() + options.max_length_b
+def max_steps(src_lengths: list[int], options: DecodingOptions, cap: int) -> list[int]:
+    """Per-sentence limit on generated tokens (EOS included): ceil(a x source length) + b, at
+    least 1, at most ``cap`` (and ``options.max_length``). On the host: a handful of tensor
+    operations per admission cost more than the arithmetic (one sentence at a time)."""
     if options.max_length is not None:
         cap = min(cap, options.max_length)
-    return limit.clamp(min=1, max=cap)
+    a, b = options.max_length_a, options.max_length_b
+    return [min(max(math.ceil(n * a) + b, 1), cap) for n in src_lengths]
 
 
 @dataclass(frozen=True)
@@ -172,22 +175,22 @@ class _SentenceRows:
         self,
         tags: Sequence[int],
         step: int,
-        stop: torch.Tensor,
+        stop: list[int],
         source_lengths: list[int],
         mask: torch.Tensor,
         bos_id: int,
     ) -> None:
-        """Sentences join at ``step``: stop (B,) the step each is cut at, mask (B, 1, 1, S)."""
-        b, w = len(tags), self.width
+        """Sentences join at ``step``: stop (B) the step each is cut at, mask (B, 1, 1, S)."""
+        b, w, first = len(tags), self.width, not self.tags  # (first: nothing to stack behind)
         self.tags.extend(tags)
         self.start_host.extend([step] * b)
-        self.start = torch.cat([self.start, self.start.new_full((b,), step)])
-        stop_host = stop.tolist()
-        self.stop_host.extend(stop_host)
+        start, tokens = self.start.new_full((b,), step), self.tokens.new_full((b, w), bos_id)
+        self.start = start if first else torch.cat([self.start, start])
+        self.stop_host.extend(stop)
         self.source_lengths.extend(source_lengths)
-        self.memory_mask = cat_padded(self.memory_mask, mask, dim=3)
-        self.tokens = torch.cat([self.tokens, self.tokens.new_full((b, w), bos_id)])
-        self.beams.extend(b, max(stop_host, default=step) - step)  # room for the longest limit
+        self.memory_mask = mask if first else cat_padded(self.memory_mask, mask, dim=3)
+        self.tokens = tokens if first else torch.cat([self.tokens, tokens])
+        self.beams.extend(b, max(stop, default=step) - step)  # room for the longest limit
 
     def cut(self, sentences: list[int], step: int) -> None:
         """These sentences stop at ``step`` at the latest."""
@@ -290,14 +293,14 @@ class DecodeSession:
         encoder, decoder = self._bound()
         memory, mask = encoder(src)  # (B, S, D), (B, 1, 1, S)
         cross_kv = decoder.project_memory(memory)
-        src_lengths = mask.sum(dim=(1, 2, 3))
-        limit = max_steps(src_lengths, self.options, cfg.max_tokens)  # (B,)
+        src_lengths = mask.sum(dim=(1, 2, 3)).tolist()
+        limit = max_steps(src_lengths, self.options, cfg.max_tokens)
         if self._cache is None:  # one row per sentence, widened to K by the first step
-            self._cache = model.init_cache(memory, int(limit.max()), cross_kv)
+            self._cache = model.init_cache(memory, max(limit), cross_kv)
         else:
             self._cache.extend_memory(cross_kv)
             rows.added += src.shape[0] * rows.width
-        rows.append(tags, self.steps, self.steps + limit, src_lengths.tolist(), mask, cfg.bos_id)
+        rows.append(tags, self.steps, [self.steps + n for n in limit], src_lengths, mask, cfg.bos_id)
         if self.shortlist is not None:
             vocab = self._own_vocab()
             if vocab is None:  # the first admission, or a later session took the columns over
@@ -378,7 +381,7 @@ class DecodeSession:
         beams = rows.beams
         eos = self.model.config.eos_id
         ids, bias = (None, None) if vocab is None else (vocab.ids, vocab.bias)  # each sentence's own candidates only
-        back, tokens = beams.advance(logits.view(a, w, -1), self.steps - rows.start, alpha, eos, ids, bias)
+        back, tokens = beams.advance(logits.view(a, w, -1), rows.start, self.steps, alpha, eos, ids, bias)
         self.steps += 1
         truncated = [i for i, stop in enumerate(rows.stop_host) if stop <= self.steps]  # at the limit
         if truncated:

@@ -166,6 +166,7 @@ class _FewRows:
 
 
 _NO_BIAS = torch.empty(0)
+_ALL_VISIBLE = torch.empty(0, dtype=torch.bool)  # ``self_attend``'s mask when every row sees every cached key
 
 
 def _few_rows(model: Transformer, kernels: ModuleType | None) -> _FewRows:
@@ -370,7 +371,7 @@ class DecoderStep:
         call of the fused kernels (``model.fused``) -> (R, D)."""
         fused, scale, post = self.fused, self.scale_value, not self.norm_first
         assert fused is not None
-        visible = torch.empty(0, dtype=torch.bool) if self_mask is None else self_mask.reshape(x.shape[0], -1)
+        visible = _ALL_VISIBLE if self_mask is None else self_mask.reshape(x.shape[0], -1)
         rows = self._memory_rows
         if rows is None or rows[0] is not memory_mask:
             rows = self._memory_rows = (memory_mask, memory_mask[:, 0, 0])  # (B, S) bool

@@ -546,14 +546,15 @@ inline float length_penalty(int64_t n, float alpha) {
 // One step of beam search's bookkeeping: model.beams.Beams.advance, the same rules.
 // logits (A, W, C) float32 next-token logits of each sentence's first W rows (W = 1 at a batch's
 // first step, else K); bias: (A, 1, C) or (A, C) added to them (a shortlist's columns per
-// sentence) or empty; vocab (C,) int64 the token of each column, or empty; step (A,) int64
-// tokens so far; the beams' state (A, K): scores (raw cumulative log P, float32), lengths
+// sentence) or empty; vocab (C,) int64 the token of each column, or empty; start (A,) int64 the
+// step each sentence joined at and `now` the batch's step (a sentence has now - start tokens so
+// far); the beams' state (A, K): scores (raw cumulative log P, float32), lengths
 // (int64), finished and eos (bool), history (A, K, T) int64 (greedy: written in place).
 // -> ({scores, tokens, back-pointers (A * K) into the A * W rows (empty for greedy), history,
 // eos, lengths, finished}: the beams' next state, [the sentences all of whose hypotheses are
 // finished now]). Greedy search (K = 1) never sees a finished row.
 std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch::Tensor& logits, const torch::Tensor& bias, const torch::Tensor& vocab,
-                                   const torch::Tensor& step, const torch::Tensor& scores, const torch::Tensor& lengths,
+                                   const torch::Tensor& start, int64_t now, const torch::Tensor& scores, const torch::Tensor& lengths,
                                    const torch::Tensor& finished, const torch::Tensor& eos, torch::Tensor history,
                                    double alpha, int64_t eos_id, int64_t pad_id) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == torch::kFloat32 && logits.dim() == 3 &&
@@ -569,7 +570,7 @@ std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch
   TORCH_CHECK(finished.scalar_type() == torch::kBool && eos.scalar_type() == torch::kBool &&
                   finished.sizes() == scores.sizes() && eos.sizes() == scores.sizes(),
               "finished and eos must be bool (A, K)");
-  TORCH_CHECK(step.scalar_type() == torch::kInt64 && step.numel() == a, "step must be int64 (A,)");
+  TORCH_CHECK(start.scalar_type() == torch::kInt64 && start.numel() == a, "start must be int64 (A,)");
   TORCH_CHECK(history.scalar_type() == torch::kInt64 && history.dim() == 3 && history.size(0) == a &&
                   history.size(1) == k && history.is_contiguous(),
               "history must be a contiguous int64 (A, K, T) tensor");
@@ -583,10 +584,14 @@ std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch
   const auto len = lengths.expand({a, k}).contiguous();
   const auto fin = finished.contiguous();
   const auto eo = eos.contiguous();
-  const auto st = step.contiguous();
+  const auto st = start.contiguous();
   const int64_t t = history.size(2);
-  const int64_t* steps = st.data_ptr<int64_t>();
-  for (int64_t i = 0; i < a; i++) TORCH_CHECK(steps[i] >= 0 && steps[i] < t, "history has no room at step ", steps[i]);
+  const int64_t* joined = st.data_ptr<int64_t>();
+  std::vector<int64_t> steps(a);
+  for (int64_t i = 0; i < a; i++) {
+    steps[i] = now - joined[i];
+    TORCH_CHECK(steps[i] >= 0 && steps[i] < t, "history has no room at step ", steps[i]);
+  }
   const float* x = logits.data_ptr<float>();
   const float* b = biased ? bias.data_ptr<float>() : nullptr;
   const int64_t b0 = biased ? bias.stride(0) : 0;
@@ -596,11 +601,11 @@ std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch
   const bool* e = eo.data_ptr<bool>();
   const int64_t* ids = mapped ? vocab.data_ptr<int64_t>() : nullptr;
   auto out_scores = torch::empty({a, k}, scores.options());
-  auto out_tokens = torch::empty({a, k}, step.options());
+  auto out_tokens = torch::empty({a, k}, start.options());
   auto out_eos = torch::empty({a, k}, eos.options());
   auto out_finished = torch::empty({a, k}, finished.options());
-  auto out_length = torch::empty({a, k}, step.options());
-  auto out_back = torch::empty({k > 1 ? a * k : 0}, step.options());
+  auto out_length = torch::empty({a, k}, start.options());
+  auto out_back = torch::empty({k > 1 ? a * k : 0}, start.options());
   auto out_history = k > 1 ? torch::empty_like(history) : history;
   float* os = out_scores.data_ptr<float>();
   int64_t* ot = out_tokens.data_ptr<int64_t>();
