@@ -468,13 +468,14 @@ class EncoderPass:
 
     def _encode(self, src: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """src: (B, S) ids, mask (B, 1, 1, S) -> memory (B, S, D), all sentences at once."""
-        x = self.model.src_embed(src)  # (B, S, D)
-        b, s, d = x.shape
-        h = self.heads
-        x = x.reshape(b * s, d)
+        b, s = src.shape
         if self.fused is not None:
-            x = self._fused_layers(x, mask.reshape(b, s))
+            x = self._fused_layers(self._fused_embed(src), mask.reshape(b, s))  # (B*S, D)
+            d = x.shape[1]
             return (x if self.final_norm is None else self.final_norm(x)).view(b, s, d)
+        x = self.model.src_embed(src)  # (B, S, D)
+        d, h = x.shape[2], self.heads
+        x = x.reshape(b * s, d)
         for layer in self.layers:
             y = layer.attn_norm(x) if self.norm_first else x
             q, k, v = layer.qkv(y, False).view(b, s, 3, h, d // h).permute(2, 0, 3, 1, 4)  # (B, H, S, Dh) each
@@ -486,6 +487,17 @@ class EncoderPass:
         if self.final_norm is not None:
             x = self.final_norm(x)
         return x.view(b, s, d)
+
+    def _fused_embed(self, src: torch.Tensor) -> torch.Tensor:
+        """src (B, S) ids -> the embedded positions (B*S, D), in one call of the fused kernels
+        (``Embedding.forward``'s sum: scaled token embedding plus position)."""
+        embedding = self.model.src_embed
+        s = src.shape[1]
+        if s > embedding.max_positions:
+            raise ValueError(f"sequence of {s} positions exceeds max_positions {embedding.max_positions}")
+        table = embedding.learned.weight if embedding.learned is not None else embedding.table
+        assert table is not None and self.fused is not None
+        return self.fused.embed(src.reshape(-1), embedding.tokens.weight, table[:s], embedding.scale)
 
     def _fused_layers(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x (B*S, D) through every layer, attention and post-LN joins on the fused kernels;

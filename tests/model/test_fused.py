@@ -205,18 +205,27 @@ def test_int8_layers_keep_their_kernel_at_few_rows() -> None:
 
 @pytest.mark.parametrize("variant", RUNNABLE)
 def test_the_encoder_runs_its_attention_and_joins_on_the_kernels(variant: str) -> None:
-    """``EncoderPass`` on the kernels (padded sentences, post-LN and pre-LN) gives the modules'
-    encoder output; the attention kernel alone gives SDPA's with the padding masked."""
+    """``EncoderPass`` on the kernels (padded sentences, post-LN and pre-LN, sinusoidal and
+    learned positions) gives the modules' encoder output; the attention kernel alone gives
+    SDPA's with the padding masked; the embedding kernel gives ``Embedding``'s sum, one position
+    table row per position of each sentence laid end to end."""
     kernels_module = fused.load(built(variant))
     assert kernels_module is not None
-    for norm_first in (False, True):
-        model = make_model(norm_first=norm_first)
+    for norm_first, positions in [(False, "sinusoidal"), (True, "sinusoidal"), (False, "learned")]:
+        model = make_model(norm_first=norm_first, positions=positions)
         model.fused_step = variant
         src = pad(sources(5), 0)
         with torch.inference_mode():
             encoder = EncoderPass(model)
             assert encoder.fused is kernels_module
             torch.testing.assert_close(encoder(src)[0], model.encode(src)[0], atol=1e-5, rtol=1e-5)
+            embedding = model.src_embed
+            table = embedding.learned.weight if embedding.learned is not None else embedding.table
+            assert table is not None
+            got = kernels_module.embed(src.reshape(-1), embedding.tokens.weight, table[: src.shape[1]], embedding.scale)
+            torch.testing.assert_close(got, embedding(src).reshape(got.shape), atol=1e-6, rtol=1e-6)
+            with pytest.raises(RuntimeError, match="positions do not match"):
+                kernels_module.embed(src.reshape(-1)[:-1], embedding.tokens.weight, table[: src.shape[1]], 1.0)
     b, s, h, dh = 3, 7, 4, 16
     qkv = torch.randn(b * s, 3 * h * dh)
     mask = torch.ones(b, s, dtype=torch.bool)
