@@ -28,8 +28,9 @@ from collections.abc import Callable
 
 import torch
 
-# (src_k, src_v, rows, dst_k, dst_v): the fused kernels' ``gather_rows_`` (see ``SelfAttentionCache.reorder``)
-Gather = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# (src_k, src_v, rows, dst_k, dst_v, first): the fused kernels' ``gather_rows_`` (see ``SelfAttentionCache.reorder``)
+Gather = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+_ALL_POSITIONS = torch.empty(0, dtype=torch.long)  # ``gather_rows_``'s ``first``: every row copies every position
 
 SPARE_SLOTS = 16  # positions a new beam-search buffer has beyond what its reorder needs
 FIRST_SLOTS = 16  # positions laid out at first; a full layout is spread to twice its slots
@@ -162,6 +163,7 @@ class SelfAttentionCache:
         add: int = 0,
         capacity: int | None = None,
         gather: Gather | None = None,
+        first: torch.Tensor | None = None,
     ) -> None:
         """Row i takes the history of row ``rows[i]``; rows: (R',) long (rows may be dropped,
         or repeated to widen a beam). Then ``add`` rows follow with an all-zero history
@@ -170,7 +172,11 @@ class SelfAttentionCache:
         grown, twice the positions kept, at least ``FIRST_SLOTS`` and one more, at most the
         capacity); the buffers grow if that does not fit. ``capacity``: the most positions a
         row may hold from now on (counted after the drop; None: as before). ``gather``: the
-        fused kernels' copy of keys then values in one call (``model.fused``); None: torch's."""
+        fused kernels' copy of keys then values in one call (``model.fused``); None: torch's.
+        ``first`` (n,) with ``gather``: row i's positions before ``first[i]`` (counted after the
+        drop) are left as they are, neither copied nor zeroed: for a caller whose attention never
+        reads a row's positions from before its sentence joined (the fused kernels' with their
+        mask), so a reorder copies each row's own positions, not the oldest row's."""
         assert 0 <= drop <= self.length, (drop, self.length)
         kept, new = rows.numel(), self.length - drop
         n = kept + add
@@ -192,7 +198,7 @@ class SelfAttentionCache:
         k4, v4 = self._layout(into_k, n, slots), self._layout(into_v, n, slots)  # (n, H, slots, Dh): the next layout
         targets = [layout if new == slots else layout[:, :, :new] for layout in (k4, v4)]
         if gather is not None:
-            gather(sources[0], sources[1], rows, targets[0], targets[1])
+            gather(sources[0], sources[1], rows, targets[0], targets[1], _ALL_POSITIONS if first is None else first)
         else:
             for source, target in zip(sources, targets, strict=True):
                 torch.index_select(source, 0, rows, out=target[:kept] if add else target)
@@ -320,14 +326,16 @@ class KVCache:
         *,
         width: int,
         gather: Gather | None = None,
+        first: torch.Tensor | None = None,
     ) -> None:
         """Self-attention rows: beam back-pointers, dropped and added rows, forgotten positions,
         the most positions a row may hold, the copy (see ``SelfAttentionCache.reorder``), after which each
         of the cross-attention sentences has ``width`` consecutive rows (sentences that joined
-        since the last reorder included: they are the ``add`` rows)."""
+        since the last reorder included: they are the ``add`` rows). ``first``: positions each
+        row may leave uncopied (see ``SelfAttentionCache.reorder``)."""
         assert rows.numel() + add == self.sentences * width, (rows.numel(), add, self.sentences, width)
         for layer in self.layers:
-            layer.self_attention.reorder(rows, room, drop, add, capacity, gather)
+            layer.self_attention.reorder(rows, room, drop, add, capacity, gather, first)
 
     def extend_memory(self, cross_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Sentences join: one (K, V) pair per layer, each (B', H, S', Dh). Their self-attention

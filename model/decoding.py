@@ -348,9 +348,15 @@ class DecodeSession:
             origin += drop
             capacity = max(rows.stop_host) - origin  # the positions the longest-lived row needs
             room = 1 if self.k > 1 else None  # beams reorder every step (one more slot); greedy rows grow
-            kernels = self._kernels
+            kernels, first = self._kernels, None
             copy = None if kernels is None else kernels.gather_rows_
-            cache.reorder(gather, room, drop, rows.added, capacity, width=rows.width, gather=copy)
+            if copy is not None and max(rows.start_host) > origin and self._bound()[1].fused is not None:
+                # rows that joined after the cache's first position copy only their own positions:
+                # the fused attention never reads the others (its mask hides them)
+                w = rows.width
+                joined = (rows.start - origin).clamp_(min=0)
+                first = joined.repeat_interleave(w) if w > 1 else joined
+            cache.reorder(gather, room, drop, rows.added, capacity, width=rows.width, gather=copy, first=first)
             rows.gather, rows.added = None, 0
         return origin
 

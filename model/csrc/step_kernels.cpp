@@ -384,9 +384,12 @@ torch::Tensor encoder_attend(const torch::Tensor& qkv, const torch::Tensor& mask
 // The KV cache's reorder (``SelfAttentionCache.reorder``): dst_k[i] = src_k[rows[i]] for each
 // i < rows.numel(), the rows after those zeroed (sentences joining), then the same for v, in
 // that order (dst_v may be the storage src_k was read from). src (R, H, L, Dh) and dst (N, H, L,
-// Dh) views with contiguous head_dim; rows (N' <= N) int64 indices of src's rows.
+// Dh) views with contiguous head_dim; rows (N' <= N) int64 indices of src's rows. first: (N,)
+// int64, or empty (0 for every row): row i's positions before first[i] are neither copied nor
+// zeroed (hidden from it: from before its sentence joined a running batch, which its attention
+// never reads), so a row's reorder costs its own positions, not the oldest row's.
 void gather_rows_(const torch::Tensor& src_k, const torch::Tensor& src_v, const torch::Tensor& rows,
-                  torch::Tensor dst_k, torch::Tensor dst_v) {
+                  torch::Tensor dst_k, torch::Tensor dst_v, const torch::Tensor& first) {
   TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.dim() == 1 && rows.is_contiguous() && rows.is_cpu(),
               "rows must be a contiguous int64 CPU vector");
   const int64_t n = rows.numel();
@@ -399,10 +402,15 @@ void gather_rows_(const torch::Tensor& src_k, const torch::Tensor& src_v, const 
     TORCH_CHECK(index[i] >= 0 && index[i] < src_k.size(0) && index[i] < src_v.size(0), "row ", index[i],
                 " out of range");
   }
+  const bool skips = first.numel() > 0;
+  TORCH_CHECK(!skips || (first.scalar_type() == torch::kInt64 && first.dim() == 1 && first.is_contiguous() &&
+                         first.is_cpu() && first.numel() == dst_k.size(0)),
+              "first must be a contiguous int64 CPU vector of one entry per destination row");
+  const int64_t* from_position = skips ? first.data_ptr<int64_t>() : nullptr;
   const std::pair<const torch::Tensor*, torch::Tensor*> pairs[2] = {{&src_k, &dst_k}, {&src_v, &dst_v}};
   for (const auto& [src, dst] : pairs) {
     TORCH_CHECK(dst->size(0) >= n && dst->size(1) == src->size(1) && dst->size(2) == src->size(2) &&
-                    dst->size(3) == src->size(3),
+                    dst->size(3) == src->size(3) && (!skips || dst->size(0) == first.numel()),
                 "gather_rows_: (", dst->sizes(), ") from (", src->sizes(), ")");
     const int64_t heads = dst->size(1), length = dst->size(2), dh = dst->size(3), total = dst->size(0);
     const float* from = src->data_ptr<float>();
@@ -413,15 +421,16 @@ void gather_rows_(const torch::Tensor& src_k, const torch::Tensor& src_v, const 
     const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(1, heads * length * dh));
     at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; i++) {
+        const int64_t lo = skips ? std::clamp<int64_t>(from_position[i], 0, length) : 0;
         for (int64_t h = 0; h < heads; h++) {
           float* out = to + i * d0 + h * d1;
           const float* in = i < n ? from + index[i] * s0 + h * s1 : nullptr;
           if (whole) {
-            if (in != nullptr) std::memcpy(out, in, length * dh * sizeof(float));
-            else std::memset(out, 0, length * dh * sizeof(float));
+            if (in != nullptr) std::memcpy(out + lo * dh, in + lo * dh, (length - lo) * dh * sizeof(float));
+            else std::memset(out + lo * dh, 0, (length - lo) * dh * sizeof(float));
             continue;
           }
-          for (int64_t l = 0; l < length; l++) {
+          for (int64_t l = lo; l < length; l++) {
             if (in != nullptr) std::memcpy(out + l * d2, in + l * s2, dh * sizeof(float));
             else std::memset(out + l * d2, 0, dh * sizeof(float));
           }

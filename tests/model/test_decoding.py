@@ -8,6 +8,7 @@ import torch
 from bench import naive
 from model import fused, kernels
 from model.beams import TOP_K_BLOCK, top_k
+from model.cache import Spare
 from model.data import pad
 from model.decoding import DecodeSession, DecodingOptions, decode, decode_stream
 from model.step import DecoderStep, EncoderPass
@@ -321,10 +322,25 @@ def test_stream_yields_each_sentence_once_when_it_is_done(beam_size: int) -> Non
 
 @pytest.mark.parametrize("vocab", [V, BIG_V])
 @pytest.mark.parametrize("beam_size", [1, 4])
-def test_sentences_joining_a_running_batch_decode_as_if_alone(beam_size: int, vocab: int) -> None:
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_sentences_joining_a_running_batch_decode_as_if_alone(
+    beam_size: int, vocab: int, poisoned: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Continuous batching: sentences admitted between steps of a running session (shorter and
     longer sources than those decoding, while others finish and leave) get exactly the
-    hypotheses and scores they get alone."""
+    hypotheses and scores they get alone. ``poisoned``: every buffer the KV cache allocates to
+    reorder into starts as NaN (``Spare.take``'s, rewritten here), so a position a reorder
+    leaves uncopied (a late joiner's positions from before it joined, on the fused kernels)
+    would show if anything read it."""
+    if poisoned:
+
+        def nan_filled(self: Spare, like: torch.Tensor, needed: int, extra: int) -> torch.Tensor:
+            buffer, self._buffer = self._buffer, None
+            if buffer is None or buffer.numel() < needed:
+                buffer = like.new_full((needed + extra,), float("nan"))
+            return buffer
+
+        monkeypatch.setattr(Spare, "take", nan_filled)
     model = make_model(seed=2, vocab=vocab)
     opts = DecodingOptions(beam_size=beam_size, n_best=beam_size)
     rows = [sources(1, seed=3, min_len=30, max_len=30, vocab=vocab)[0], *sources(15, seed=21, max_len=24, vocab=vocab)]

@@ -240,7 +240,8 @@ def test_the_encoder_runs_its_attention_and_joins_on_the_kernels(variant: str) -
 
 def test_the_cache_reorder_copies_what_index_select_does() -> None:
     """``gather_rows_``: rows gathered (repeated, dropped), rows after them zeroed, positions
-    sliced on both sides; keys copied before values, so values may land where keys were."""
+    sliced on both sides; keys copied before values, so values may land where keys were; with
+    ``first``, each row's positions before its entry left as they were."""
     kernels_module = fused.load(built(RUNNABLE[-1]))
     assert kernels_module is not None
     src = torch.randn(2, 5, 4, 9, 8)  # (k/v, R, H, L, Dh)
@@ -249,18 +250,33 @@ def test_the_cache_reorder_copies_what_index_select_does() -> None:
     want_k, want_v = k[rows], v[rows]
     dst = torch.full((5, 4, 6, 8), float("nan"))
     shared = src[0].reshape(-1)[: 5 * 4 * 6 * 8].view(5, 4, 6, 8)  # the values' target is the keys' storage
-    kernels_module.gather_rows_(k, v, rows, dst, shared)
+    everything = torch.empty(0, dtype=torch.long)
+    kernels_module.gather_rows_(k, v, rows, dst, shared, everything)
     assert torch.equal(dst[:3], want_k) and not dst[3:].any()
     assert torch.equal(shared[:3], want_v) and not shared[3:].any()
     with pytest.raises(RuntimeError, match="out of range"):
-        kernels_module.gather_rows_(k, v, torch.tensor([5]), dst, dst)
+        kernels_module.gather_rows_(k, v, torch.tensor([5]), dst, dst, everything)
     wide = torch.randn(5, 4, 9, 16)  # head_dim 8 of 16: a head's positions are not one block
     narrow_k, narrow_v = wide[:, :, 2:8, :8], wide[:, :, 2:8, 8:]
     out = torch.full((4, 4, 6, 16), float("nan"))
     out_k, out_v = out[..., :8], out[..., 8:]
-    kernels_module.gather_rows_(narrow_k, narrow_v, rows, out_k, out_v)
+    kernels_module.gather_rows_(narrow_k, narrow_v, rows, out_k, out_v, everything)
     assert torch.equal(out_k[:3], narrow_k[rows]) and torch.equal(out_v[:3], narrow_v[rows])
     assert not out[3].any()
+    for target_k, target_v, source_k, source_v in [(dst, dst.clone(), k, v), (out_k, out_v, narrow_k, narrow_v)]:
+        rows_now = target_k.shape[0]
+        first = torch.tensor([0, 2, 6, 9, 4][:rows_now])  # 9: past the end (a clamp, nothing copied)
+        target_k.fill_(7.0)
+        target_v.fill_(7.0)
+        kernels_module.gather_rows_(source_k, source_v, rows, target_k, target_v, first)
+        for i in range(rows_now):
+            lo = min(int(first[i]), 6)
+            for target, source in ((target_k, source_k), (target_v, source_v)):
+                assert (target[i, :, :lo] == 7.0).all()  # left alone
+                want = source[rows[i], :, lo:] if i < 3 else torch.zeros_like(target[i, :, lo:])
+                assert torch.equal(target[i, :, lo:], want)
+    with pytest.raises(RuntimeError, match="first must be"):
+        kernels_module.gather_rows_(k, v, rows, dst, dst.clone(), torch.tensor([0, 1]))
 
 
 def test_joining_sentences_memory_and_bias_rows_are_the_tensor_operations_ones(shipped: Path) -> None:
