@@ -196,7 +196,8 @@ def load(
     """Load and validate a checkpoint folder onto ``device`` for inference at ``precision``
     (float32, bfloat16, float16 or int8; eval mode), with the linear kernels ``kernels.choose``
     picks for it and this CPU (or ``features``). Layers that run on packed copies (int8, float32
-    on oneDNN) give their float weights up (``kernels.release_float_weights``; the output
+    on oneDNN, float32 on the fused kernels' panels where MKL would run them) give their float
+    weights up (``kernels.release_float_weights``; the output
     projection too, its embeddings kept for the lookups, in float16 where exact:
     ``release_output_projection``), so the model is for inference only; ``keep_float_weights``
     keeps them (converters and tools that read the weights). ``fused``: whether the decoder step
@@ -221,9 +222,11 @@ def load(
     model.to(device=device, dtype=plan.dtype).eval()
     kernels.install(model, plan, model.step_linears())
     # the packed copies are all the layers read: one copy of their weights, not two
-    if plan.kernel in ("fbgemm-int8", "onednn") and not keep_float_weights:
-        released = kernels.release_float_weights(model, keep=[model.output_matrix()])
-        released += release_output_projection(model)
+    panels = kernels.panel_kernels(plan) if model.fused_step is not None else None
+    if (plan.kernel in ("fbgemm-int8", "onednn") or panels is not None) and not keep_float_weights:
+        released = kernels.release_float_weights(model, keep=[model.output_matrix()], panels=panels)
+        if panels is None:  # (on panels the output projection keeps its float32 rows: the shortlist's)
+            released += release_output_projection(model)
         if released:
             log.info("%s: released %.1f MiB of float weights that packed copies replace", precision, released / 2**20)
     log.info("loaded %s (%d parameters): %s", path, model.num_parameters(), plan.describe())

@@ -60,8 +60,10 @@ FLAGS: dict[str, list[str]] = {
 FEW_ROWS: dict[str, int] = {"avx512": 4, "avx2": 4, "baseline": 0}
 # Products of more rows than that, up to this many, run on a copy of the weight packed into panels
 # (``pack_panels`` / ``panel_linear``: the broadcast form, outputs held in registers across the
-# whole reduction). The encoder's and the step's 12 float32 products [Intel Xeon f6, AVX-512+bf16],
-# µs, MKL's sgemm against panels: 8 rows 415 / 304, 14 rows 569 / 314, 32 rows 986 / 583, 64 rows
+# whole reduction), where a layer keeps its float weight; a checkpoint loaded for inference on a
+# plan that runs MKL keeps the panels alone and runs every row count on them
+# (``kernels.PackedPanels``). The encoder's and the step's 12 float32 products [Intel Xeon f6,
+# AVX-512+bf16], µs, MKL's sgemm against panels: 8 rows 415 / 304, 14 rows 569 / 314, 32 rows 986 / 583, 64 rows
 # 1,197 / 1,079, 256 rows 4,607 / 3,743; AVX2 build (capped to AVX2) 8 rows 551 / 340, 64 rows
 # 1,755 / 1,524, 256 rows 5,974 / 5,609 (docs/benchmarks.md "Packed panels"). Not in the default
 # build (no FMA: not measured faster).

@@ -31,7 +31,9 @@ narrowed by the ISA caps users set for the libraries (``ONEDNN_MAX_CPU_ISA``,
 The decoder step's layers (``Transformer.step_linears``: every layer a decoder step runs but
 the output projection) take the plan's ``step_kernel`` where it differs. A float32 model loaded
 for inference then keeps one copy of each weight: the packed copy where oneDNN runs it
-(``PackedOneDNN``, ``release_float_weights``), the float weight where ``wx`` or ``aten`` reads it.
+(``PackedOneDNN``, ``release_float_weights``), the fused kernels' panels where the plan names
+``aten`` and they build (``PackedPanels``: faster than MKL's sgemm from 2 to a few hundred rows),
+the float weight where ``wx`` or ``aten`` reads it.
 Measured per-call times behind the choices: docs/benchmarks.md "Linear kernels" and "The
 decoder step's layers through MKL".
 """
@@ -49,6 +51,7 @@ from contextlib import contextmanager
 from dataclasses import astuple, dataclass, replace
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 from typing import Literal, cast
 
 import torch
@@ -57,6 +60,7 @@ from torch import nn
 
 from model.fused import enabled as fused_enabled
 from model.fused import load as load_fused
+from model.fused import packable, panel_rows_limit
 from model.precision import PRECISIONS, Precision
 
 log = logging.getLogger(__name__)
@@ -514,11 +518,49 @@ class PackedOneDNN:
         return _onednn_rows(x, self.packed, self.bias, relu, x.shape[0])
 
 
-def release_float_weights(model: nn.Module, keep: Iterable[torch.Tensor] = ()) -> int:
+@dataclass(frozen=True, eq=False)
+class PackedPanels:
+    """One float32 layer's kernel once its weight is released (``release_float_weights`` with
+    the fused kernels): the fused kernels' product on the weight packed into panels
+    (``panel_linear``) at every row count, its own bias added in the same pass; the ``weight`` and
+    ``bias`` it is called with are placeholders and are not read. Where MKL's sgemm would read the
+    float weight (Intel CPUs), this is faster from 2 to a few hundred rows and as fast at one row
+    (docs/benchmarks.md "Packed panels"), and the model keeps one copy of the weight, not two."""
+
+    panels: torch.Tensor  # (out / width, in, width)
+    bias: torch.Tensor  # (out,), or empty: none
+    product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]  # ``panel_linear``
+    out_features: int
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False
+    ) -> torch.Tensor:
+        """x: (..., in) -> (..., out)."""
+        return self.run(x.reshape(-1, x.shape[-1]), relu).view(*x.shape[:-1], self.out_features)
+
+    def run(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        """x: (R, in) float32 -> (R, out) (another dtype is refused, as ``F.linear`` does)."""
+        if x.dtype != torch.float32:
+            raise RuntimeError(f"expected float32 input for a float32 layer, got {x.dtype}")
+        return self.product(x if x.is_contiguous() else x.contiguous(), self.panels, self.bias, relu)
+
+
+def panel_kernels(plan: KernelPlan) -> ModuleType | None:
+    """The fused kernels whose packed panels replace MKL's float weights in a float32 plan on
+    ``aten`` (Intel CPUs, where the fused kernels build and have panels: ``fused.PANEL_ROWS``);
+    None for every other plan."""
+    if plan.device != "cpu" or plan.precision != "float32" or plan.kernel != "aten" or plan.fused is None:
+        return None
+    return load_fused(plan.fused) if panel_rows_limit(plan.fused) > 0 else None
+
+
+def release_float_weights(model: nn.Module, keep: Iterable[torch.Tensor] = (), panels: ModuleType | None = None) -> int:
     """For inference: every layer whose kernel is ``Int8Kernel`` gets its weight packed now into a
     ``PackedInt8`` kernel, and its float weight and bias are replaced by placeholders on the meta
     device (same shapes, no memory); every float32 layer on ``onednn`` likewise gets a
-    ``PackedOneDNN`` kernel and a placeholder weight (its small bias stays, the kernel adds it).
+    ``PackedOneDNN`` kernel and a placeholder weight (its small bias stays, the kernel adds it),
+    and with ``panels`` (the fused kernels: ``panel_kernels``) every float32 layer on ``aten`` whose
+    weight they can pack a ``PackedPanels`` kernel.
     So the model holds one copy of those weights (the packed one) instead of two. (bfloat16
     keeps both: its oneDNN path runs on AVX-512 CPUs only, where this was not measured.)
     Weights in ``keep`` (read elsewhere: the output projection, which the model runs through
@@ -532,7 +574,7 @@ def release_float_weights(model: nn.Module, keep: Iterable[torch.Tensor] = ()) -
         if not isinstance(weight, nn.Parameter) or id(weight) in kept:
             continue
         bias = getattr(module, "bias", None)
-        packed = packed_kernel(kernel, weight, bias)
+        packed = packed_kernel(kernel, weight, bias, panels)
         if packed is None:
             continue
         setattr(module, "kernel", packed)  # noqa: B010 (see install)
@@ -545,15 +587,23 @@ def release_float_weights(model: nn.Module, keep: Iterable[torch.Tensor] = ()) -
     return released
 
 
-def packed_kernel(kernel: object, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedInt8 | PackedOneDNN | None:
+def packed_kernel(
+    kernel: object, weight: torch.Tensor, bias: torch.Tensor | None, panels: ModuleType | None = None
+) -> PackedInt8 | PackedOneDNN | PackedPanels | None:
     """The kernel that runs a layer of ``kernel`` from a packed copy of ``weight`` (and ``bias``)
     alone, without reading them again: ``PackedInt8`` for ``Int8Kernel``, ``PackedOneDNN`` for
-    float32 on ``onednn``; None where the layer has no such kernel (it keeps reading its weight)."""
+    float32 on ``onednn``, ``PackedPanels`` for float32 on ``aten`` given the fused kernels
+    (``panels``) and a weight they can pack; None where the layer has no such kernel (it keeps
+    reading its weight)."""
     b = None if bias is None else bias.detach()
     if isinstance(kernel, Int8Kernel):
         return PackedInt8(_pack_int8(weight.detach(), b), kernel.reduce_range)
     if kernel is onednn and weight.dtype == torch.float32:
         return PackedOneDNN(_pack_onednn(weight.detach()), b)
+    if panels is not None and kernel is aten and packable(weight, bias, panels.panel_width()):
+        no_bias = weight.new_empty(0)
+        packed = panels.pack_panels(weight.detach())
+        return PackedPanels(packed, no_bias if b is None else b, panels.panel_linear, weight.shape[0])
     return None
 
 
@@ -566,7 +616,7 @@ def reads_float_weight(kernel: object) -> bool:
 
 def is_packed(kernel: object) -> bool:
     """Whether ``kernel`` runs from its own packed copy (the weight it is called with is a placeholder)."""
-    return isinstance(kernel, PackedInt8 | PackedOneDNN)
+    return isinstance(kernel, PackedInt8 | PackedOneDNN | PackedPanels)
 
 
 def int8(reduce_range: bool) -> LinearKernel:
@@ -623,7 +673,7 @@ def bind(kernel: LinearKernel, weight: torch.Tensor, bias: torch.Tensor | None) 
             return _run_int8(x, int8_packed, reduce_range, relu)
 
         return run_int8
-    if isinstance(kernel, PackedOneDNN):
+    if isinstance(kernel, PackedOneDNN | PackedPanels):
         return kernel.run
     if kernel is onednn:
         packed = _onednn_weight(weight)

@@ -798,29 +798,56 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch
 // broadcast form on a copy of the weight packed once: panels of kPanel weight rows, each stored
 // transposed (K, kPanel), so a block of up to kPanelRows rows by one panel keeps its outputs in
 // 2 x rows accumulator vectors, and each k loads the panel's two vectors and broadcasts one x value
-// per row (docs/benchmarks.md "Packed panels"). Each output is summed over k in order, so a row's
-// result depends on neither the other rows nor their number.
+// per row (docs/benchmarks.md "Packed panels"). Each output is summed over k in an order that
+// depends only on how many rows its block holds (blocks of kPanelRows, then one of the rest), so a
+// row's result does not depend on the values of the other rows.
 constexpr int64_t kPanel = 2 * kVec;
+// how many k ahead a block prefetches its panel: with a few rows the panels stream from L3, and
+// without it one to four rows ran ~10% behind ``linear`` (with it, level)
+constexpr int64_t kPanelAhead = 8;
 // rows of a block: 2 accumulators a row, two weight vectors and the broadcast fit the registers
 // (32 zmm with AVX-512; 16 ymm with AVX2)
 constexpr int kPanelRows = kVec == 16 ? 8 : 6;
 
+// rows [0, Rows) of x by one panel. With one or two rows, 2 x Rows accumulators would wait on each
+// other's FMA latency, so k is split into kPhases interleaved sums (added in a fixed order at the end).
 template <int Rows>
 inline void panel_block(const float* x, int64_t k, const float* panel, const float* bias, bool relu, float* out,
                         int64_t n) {
-  vec acc[Rows][2];
-  for (int r = 0; r < Rows; r++) acc[r][0] = acc[r][1] = vec{};
-  for (int64_t j = 0; j < k; j++) {
+  constexpr int kPhases = Rows == 1 ? 4 : Rows == 2 ? 2 : 1;
+  vec acc[kPhases][Rows][2];
+  for (int f = 0; f < kPhases; f++) {
+    for (int r = 0; r < Rows; r++) acc[f][r][0] = acc[f][r][1] = vec{};
+  }
+  const int64_t whole = k - k % kPhases;
+  for (int64_t j = 0; j < whole; j += kPhases) {
+    for (int f = 0; f < kPhases; f++) {
+      __builtin_prefetch(panel + (j + f + kPanelAhead) * kPanel, 0, 3);  // (a hint: past the end is harmless)
+      __builtin_prefetch(panel + (j + f + kPanelAhead) * kPanel + kVec, 0, 3);
+      const vec w0 = load_vec(panel + (j + f) * kPanel), w1 = load_vec(panel + (j + f) * kPanel + kVec);
+      for (int r = 0; r < Rows; r++) {
+        const float xr = x[r * k + j + f];
+        acc[f][r][0] += xr * w0;
+        acc[f][r][1] += xr * w1;
+      }
+    }
+  }
+  for (int64_t j = whole; j < k; j++) {  // the last k % kPhases, into the first sum
     const vec w0 = load_vec(panel + j * kPanel), w1 = load_vec(panel + j * kPanel + kVec);
     for (int r = 0; r < Rows; r++) {
       const float xr = x[r * k + j];
-      acc[r][0] += xr * w0;
-      acc[r][1] += xr * w1;
+      acc[0][r][0] += xr * w0;
+      acc[0][r][1] += xr * w1;
     }
   }
   const vec b0 = bias != nullptr ? load_vec(bias) : vec{}, b1 = bias != nullptr ? load_vec(bias + kVec) : vec{};
   for (int r = 0; r < Rows; r++) {
-    vec o0 = acc[r][0] + b0, o1 = acc[r][1] + b1;
+    vec s0 = acc[0][r][0], s1 = acc[0][r][1];
+    for (int f = 1; f < kPhases; f++) {
+      s0 += acc[f][r][0];
+      s1 += acc[f][r][1];
+    }
+    vec o0 = s0 + b0, o1 = s1 + b1;
     if (relu) {
       o0 = o0 > 0 ? o0 : vec{};
       o1 = o1 > 0 ? o1 : vec{};

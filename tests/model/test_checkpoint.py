@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from model.decoding import DecodingOptions
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from model.translator import Translator
+from tests.conftest import require
 from tests.factories import PACKED_FEATURES, packed_plan, tiny_config
 
 SENTENCES = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee auf einer Wiese."]
@@ -109,6 +111,40 @@ def test_inference_reads_the_embeddings_once_and_in_float16_where_exact(
         ).translate(SENTENCES, opts)
     with pytest.raises(RuntimeError, match="released for inference"):  # with gradients: not a dtype error
         lean.logits(torch.zeros(1, lean.config.d_model))
+
+
+def test_float32_layers_where_mkl_would_run_keep_only_their_panels(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
+    """Loaded for inference in float32 where the plan runs MKL's sgemm (an Intel CPU) and the fused
+    kernels build: every layer whose weight the panels take runs from its panels alone
+    (``PackedPanels``, the float weight a placeholder), the output projection keeps its rows (the
+    shortlist gathers them); logits match the kept float weights' to float rounding (those run
+    other products at some row counts) and translations are the same; with gradients a released
+    layer refuses to run."""
+    features = replace(kernels.detected(), intel=True)
+    if not features.avx2:
+        pytest.skip("the fused kernels have no panels without AVX2 and FMA")
+    plan = kernels.choose("cpu", "float32", features)
+    require(kernels.panel_kernels(plan) is not None, "the fused step kernels do not build here: see the log")
+    torch.manual_seed(3)
+    model = Transformer(tiny_config(tiny_tokenizer.vocab_size, share_embeddings=True)).eval()
+    checkpoint.save(tmp_path / "c", model, tiny_tokenizer, {"source_lang": "de", "target_lang": "en"})
+    full = checkpoint.load(tmp_path / "c", features=features, keep_float_weights=True).model
+    lean = checkpoint.load(tmp_path / "c", features=features).model
+    layers = [lean.encoder_layers[0].self_attn.qkv, lean.decoder_layers[1].ff.fc2, lean.decoder_layers[0].cross_attn.kv]
+    for layer in layers:
+        assert isinstance(layer.kernel, kernels.PackedPanels) and kernels.is_packed(layer.kernel)
+        assert layer.weight.is_meta
+    assert not full.decoder_layers[1].ff.fc2.weight.is_meta
+    assert not lean.output_matrix().is_meta and lean.kernel is full.kernel
+    src, tgt = torch.tensor([[5, 6, 7, 3], [9, 3, 0, 0]]), torch.tensor([[2, 8, 9], [2, 4, 0]])
+    with torch.inference_mode():
+        torch.testing.assert_close(lean(src, tgt), full(src, tgt), atol=1e-4, rtol=1e-4)
+    for beam in (1, 3):
+        opts = DecodingOptions(beam_size=beam, n_best=beam)
+        got = Translator(lean, tiny_tokenizer).translate(SENTENCES, opts)
+        assert [h.text for h in got] == [h.text for h in Translator(full, tiny_tokenizer).translate(SENTENCES, opts)]
+    with pytest.raises(RuntimeError, match="released for inference"):
+        layers[1](torch.zeros(1, layers[1].in_features))
 
 
 def test_large_weights_are_written_in_shards_under_the_limit(

@@ -101,8 +101,8 @@ def test_few_row_products_are_torchs_to_float_rounding(variant: str) -> None:
 @pytest.mark.parametrize("variant", RUNNABLE)
 def test_panel_products_are_torchs_to_float_rounding(variant: str) -> None:
     """The product on packed panels: x wᵀ + bias (or none), ReLU'd or not, at 1-70 rows (whole
-    blocks of rows and every remainder), K of any size; each row's result is the same bits
-    whatever rows come with it; weights it cannot pack are refused."""
+    blocks of rows and every remainder), K of any size; a row's result is the same bits
+    whatever values the other rows of its block hold; weights it cannot pack are refused."""
     kernels_module = fused.load(built(variant))
     assert kernels_module is not None
     width = kernels_module.panel_width()
@@ -119,8 +119,10 @@ def test_panel_products_are_torchs_to_float_rounding(variant: str) -> None:
                 for relu in (False, True):
                     got = kernels_module.panel_linear(x, panels, torch.empty(0) if bias is None else bias, relu)
                     torch.testing.assert_close(got, want.relu() if relu else want, atol=3e-5, rtol=1e-5)
-            alone = kernels_module.panel_linear(x[-1:].clone(), panels, b, False)
-            assert torch.equal(alone[0], kernels_module.panel_linear(x, panels, b, False)[-1])
+            others = x.clone()
+            others[1:] = torch.randn(rows - 1, k)
+            got_first = kernels_module.panel_linear(others, panels, b, False)[0]
+            assert torch.equal(got_first, kernels_module.panel_linear(x, panels, b, False)[0])
     with pytest.raises(RuntimeError, match="multiple of"):
         kernels_module.pack_panels(torch.randn(width + 1, 8))
     with pytest.raises(RuntimeError, match="panels must be"):
