@@ -304,10 +304,11 @@ def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(tin
     """Where float32 runs on oneDNN, a loaded checkpoint's linear layers keep one copy of their
     weights: the packed copy only (float weights released, biases and the embeddings the output
     projection shares kept), except the decoder step's layers where they run ``wx``, which keep
-    their float weights and no packed copy; on Intel CPUs every layer runs ``aten`` on its float
-    weights, nothing packed. Each translates as the same model with its float weights;
-    ``keep_float_weights`` keeps them. On this CPU said not to be Intel's, on a simulated AVX2
-    one and on this one said to be Intel's."""
+    their float weights and no packed copy; on Intel CPUs, where the plan runs ``aten`` (MKL),
+    every layer whose weight the fused kernels' panels take keeps only its panels
+    (``PackedPanels``), the others and the output projection their float weights. Each translates
+    as the same model with its float weights; ``keep_float_weights`` keeps them. On this CPU said
+    not to be Intel's, on a simulated AVX2 one and on this one said to be Intel's."""
     from model.decoding import DecodingOptions
     from model.translator import Translator
 
@@ -317,12 +318,17 @@ def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(tin
     kept = checkpoint.load(folder, "cpu", "float32", features[cpu], keep_float_weights=True)
     layers = [m for m in ckpt.model.modules() if isinstance(m, Linear)]
     assert not any(p.is_meta for p in kept.model.parameters())
-    if ckpt.plan.kernel != "onednn":  # Intel's, or no oneDNN: nothing packed, nothing released
+    if ckpt.plan.kernel != "onednn":  # Intel's, or no oneDNN: MKL, or the fused kernels' panels
         assert ckpt.plan.kernel == "aten" and ckpt.plan.step == "aten"
         assert features[cpu].intel or not torch.backends.mkldnn.is_available()
-        assert not any(p.is_meta for p in ckpt.model.parameters())
-        assert all(m.kernel is kernels.aten for m in layers) and ckpt.model.kernel is kernels.aten
-        packed: list[Linear] = []
+        panels = kernels.panel_kernels(ckpt.plan)
+        packed = [m for m in layers if isinstance(m.kernel, kernels.PackedPanels)]
+        width = 0 if panels is None else panels.panel_width()
+        assert [m for m in layers if width and m.out_features % width == 0] == packed
+        assert all(m.weight.is_meta for m in packed) and not ckpt.model.output_matrix().is_meta
+        assert all(m.kernel is kernels.aten and not m.weight.is_meta for m in layers if m not in packed)
+        assert ckpt.model.kernel is kernels.aten
+        assert bool(packed) == (panels is not None and ckpt.model.fused_step is not None)
     else:
         step = ckpt.model.step_linears()
         assert len(step) == 6 * ckpt.model.config.decoder_layers
