@@ -113,7 +113,7 @@ class Beams:
         scores = self.only_first.expand(b, -1)
         history = self.history.new_full((b, self.k, steps), self.pad_id)
         if self.scores.shape[0] == 0:  # no sentence yet (one at a time: each joins an empty batch)
-            self.scores, self.history = scores.contiguous(), history
+            self.scores, self.history = scores.clone(), history  # (not a view of only_first)
             self.length = self.length.new_zeros(b, self.k)
             self.finished, self.eos = self.finished.new_zeros(b, self.k), self.eos.new_zeros(b, self.k)
             return

@@ -42,6 +42,7 @@ from model import fused
 from model.attention import attend
 from model.cache import KVCache
 from model.kernels import BoundLinear, LinearKernel, bind, reads_float_weight
+from model.kernels import aten as kernel_aten
 from model.linear import Linear, linear, uses_kernels
 from model.masks import padding_mask
 from model.transformer import DecoderLayer, EncoderLayer, Transformer
@@ -121,17 +122,25 @@ class _FewRows:
     panel_limit: int = 0
 
     def wrap(
-        self, bound: BoundLinear, kernel: LinearKernel, weight: torch.Tensor, bias: torch.Tensor | None
+        self,
+        bound: BoundLinear,
+        kernel: LinearKernel,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        panels: bool = True,
     ) -> BoundLinear:
         """``bound`` (the layer's ``kernel`` on ``weight``, ``bias``), its products of few rows on
-        the kernels' ``linear`` and its products of more, up to ``panel_limit``, on its packed
-        panels, where the layer computes in float32 from that float weight (not int8, whose float
-        weight may be kept for lookups or as a reference)."""
+        the kernels' ``linear`` where the layer computes in float32 from that float weight (not
+        int8, whose float weight may be kept for lookups or as a reference), and its products of
+        more, up to ``panel_limit``, on packed panels where the layer runs MKL (``aten``: a model
+        that kept its float weights; ``checkpoint.load`` gives such layers their panels alone) and
+        ``panels`` (not for the output projection: a vocabulary-wide copy, never measured)."""
         kernels = self.kernels
         if kernels is None or not reads_float_weight(kernel):
             return bound
         few = self.limit if fused.streamable(weight, bias) else 0
-        panel_limit = self.panel_limit if fused.packable(weight, bias, kernels.panel_width()) else 0
+        on_mkl = panels and kernel is kernel_aten
+        panel_limit = self.panel_limit if on_mkl and fused.packable(weight, bias, kernels.panel_width()) else 0
         if few <= 0 and panel_limit <= few:
             return bound
         linear, panel_linear, b = kernels.linear, kernels.panel_linear, _NO_BIAS if bias is None else bias
@@ -139,9 +148,9 @@ class _FewRows:
 
         def run(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
             rows = x.shape[0]
-            if rows <= few and x.is_contiguous():
+            if rows <= few and few and x.is_contiguous():
                 return linear(x, weight, b, relu)
-            if rows <= panel_limit and x.is_contiguous():
+            if rows <= panel_limit and panel_limit and x.is_contiguous():
                 if not packed:
                     packed.append(kernels.pack_panels(weight))
                 return panel_linear(x, packed[0], b, relu)
@@ -260,7 +269,7 @@ class DecoderStep:
         self.cross_kv = [_bind(layer.cross_attn.kv, fast, self.few_rows) for layer in model.decoder_layers]
         out = model.output_matrix()
         self.output = (
-            self.few_rows.wrap(bind(model.kernel, out, None), model.kernel, out, None)
+            self.few_rows.wrap(bind(model.kernel, out, None), model.kernel, out, None, panels=False)
             if fast
             else _through(model.kernel, out, None)
         )

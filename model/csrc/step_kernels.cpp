@@ -734,6 +734,7 @@ torch::Tensor embed(const torch::Tensor& tokens, const torch::Tensor& table, con
                   positions.scalar_type() == torch::kFloat32 && positions.is_contiguous() && tokens.device().is_cpu(),
               "embed: tokens (R) int64, a contiguous (V, D) table, float32 positions");
   const int64_t r = tokens.size(0), v = table.size(0), d = table.size(1);
+  if (r == 0) return torch::empty({0, d}, positions.options());
   const int64_t period = positions.dim() == 1 ? 1 : positions.size(0);
   TORCH_CHECK(positions.dim() <= 2 && positions.size(-1) == d && period > 0 && r % period == 0,
               "embed: positions do not match");
@@ -848,9 +849,9 @@ inline void panel_block(const float* x, int64_t k, const float* panel, const flo
       s1 += acc[f][r][1];
     }
     vec o0 = s0 + b0, o1 = s1 + b1;
-    if (relu) {
-      o0 = o0 > 0 ? o0 : vec{};
-      o1 = o1 > 0 ? o1 : vec{};
+    if (relu) {  // (as torch's ReLU: NaN stays NaN)
+      o0 = o0 < 0 ? vec{} : o0;
+      o1 = o1 < 0 ? vec{} : o1;
     }
     std::memcpy(out + r * n, &o0, sizeof o0);
     std::memcpy(out + r * n + kVec, &o1, sizeof o1);

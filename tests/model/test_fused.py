@@ -123,6 +123,10 @@ def test_panel_products_are_torchs_to_float_rounding(variant: str) -> None:
             others[1:] = torch.randn(rows - 1, k)
             got_first = kernels_module.panel_linear(others, panels, b, False)[0]
             assert torch.equal(got_first, kernels_module.panel_linear(x, panels, b, False)[0])
+    nan_row = torch.randn(3, 24)
+    nan_row[0, 5] = float("nan")
+    got = kernels_module.panel_linear(nan_row, kernels_module.pack_panels(torch.randn(width, 24)), torch.empty(0), True)
+    assert got[0].isnan().all() and not got[1:].isnan().any()  # ReLU keeps NaN, as torch's
     with pytest.raises(RuntimeError, match="multiple of"):
         kernels_module.pack_panels(torch.randn(width + 1, 8))
     with pytest.raises(RuntimeError, match="panels must be"):
@@ -154,15 +158,25 @@ def test_few_row_products_follow_the_variant_and_the_weights() -> None:
 
 @pytest.mark.parametrize("variant", RUNNABLE)
 def test_small_products_run_on_the_kernels_and_large_ones_on_torch(variant: str) -> None:
-    """A bound layer of the decoder step and of the encoder: at most the variant's few-row limit
-    gives the kernels' ``linear`` exactly, up to its panel limit the product on the layer's
-    packed panels, more rows the layer's own kernel's (MKL's sgemm on Intel CPUs)."""
+    """A bound layer of the decoder step and of the encoder that runs MKL (``aten``) on its kept
+    float weight: at most the variant's few-row limit gives the kernels' ``linear`` exactly, up to
+    its panel limit the product on the layer's packed panels, more rows the layer's own kernel's;
+    a layer on another kernel (``wx`` here: AVX2 CPUs other than Intel's) makes no panels, and
+    neither does the output projection."""
     model = make_model()
     model.fused_step = built(variant)
     kernels_module = fused.load(variant)
     assert kernels_module is not None
+    for module in model.modules():
+        if hasattr(module, "kernel"):
+            module.kernel = kernels.aten
+    model.decoder_layers[0].ff.fc2.kernel = kernels.wx
     with torch.inference_mode():
         step, encoder = DecoderStep(model), EncoderPass(model)
+        wx_layer, x = model.decoder_layers[0].ff.fc2, torch.randn(8, model.config.d_ff)
+        assert torch.equal(step.layers[0].fc2(x, False), kernels.wx(x, wx_layer.weight, wx_layer.bias))
+        h = torch.randn(8, model.config.d_model)
+        assert torch.equal(step.output(h, False), kernels.aten(h, model.output_matrix(), None))
         few, panel = step.few_rows.limit, step.few_rows.panel_limit
         assert (few, panel) == (fused.few_rows_limit(variant), fused.panel_rows_limit(variant))
         for layer, bound in [
