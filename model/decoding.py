@@ -166,6 +166,11 @@ class _SentenceRows:
         """Rows (hypotheses) per sentence: 1 until the batch's first step, then K."""
         return self.tokens.shape[1]
 
+    def row_start(self) -> torch.Tensor:
+        """(A*W,) the step each row's sentence joined at (``start`` itself at width 1)."""
+        w = self.width
+        return self.start.repeat_interleave(w) if w > 1 else self.start
+
     @property
     def source_width(self) -> int:
         """The longest source (0 when empty)."""
@@ -353,9 +358,7 @@ class DecodeSession:
             if copy is not None and max(rows.start_host) > origin and self._bound()[1].fused is not None:
                 # rows that joined after the cache's first position copy only their own positions:
                 # the fused attention never reads the others (its mask hides them)
-                w = rows.width
-                joined = (rows.start - origin).clamp_(min=0)
-                first = joined.repeat_interleave(w) if w > 1 else joined
+                first = (rows.row_start() - origin).clamp_(min=0)
             cache.reorder(gather, room, drop, rows.added, capacity, width=rows.width, gather=copy, first=first)
             rows.gather, rows.added = None, 0
         return origin
@@ -364,10 +367,10 @@ class DecodeSession:
         """-> self-attention mask (R, 1, 1, L+1) hiding the cached keys from before a row's
         sentence joined, and each row's position (R,); None, None when every row sees the
         whole cache, at position ``cache.length`` (nobody joined after its first position)."""
-        rows, w = self._rows, self._rows.width
+        rows = self._rows
         if max(rows.start_host) <= origin:
             return None, None
-        start = rows.start.repeat_interleave(w) if w > 1 else rows.start  # (R,)
+        start = rows.row_start()  # (R,)
         keys = origin + torch.arange(cache.length + 1, device=start.device)
         self_mask = (keys[None, :] >= start[:, None])[:, None, None, :]  # (R, 1, 1, L+1)
         return self_mask, self.steps - start

@@ -18,7 +18,9 @@ Where the model has the fused kernels (``model.fused``: float32 activations on t
 attention sub-layer and each post-LN residual join is one call of them instead (~25% less time a
 step at one sentence: docs/benchmarks.md "The fused step"), and so are the matrix products of at
 most a few rows (``_FewRows``: the weights streamed with a prefetch, ~12% less a sentence at beam
-4: "Small-row matrix products"); larger products stay the bound kernels'. The encoder's
+4: "Small-row matrix products"), and of up to a few hundred on weights packed into panels (where a
+loaded checkpoint's layers do not run on their panels alone already: ``kernels.PackedPanels``,
+"Packed panels"); larger products stay the bound kernels'. The encoder's
 attention and joins, and the joining sentences' cross-attention K/V, take them too. The same
 results to float rounding (tests/model/test_fused.py).
 

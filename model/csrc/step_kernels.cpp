@@ -263,6 +263,15 @@ void check_cache(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(3) == 1, name, "'s head_dim must be contiguous");
 }
 
+// A product's bias (N), or nullptr for an empty tensor (none).
+const float* bias_data(const torch::Tensor& bias, int64_t n) {
+  if (bias.numel() == 0) return nullptr;
+  TORCH_CHECK(bias.device().is_cpu() && bias.scalar_type() == torch::kFloat32 && bias.dim() == 1 &&
+                  bias.size(0) == n && bias.is_contiguous(),
+              "bias must be a contiguous float32 (N) CPU vector");
+  return bias.data_ptr<float>();
+}
+
 }  // namespace
 
 // Self-attention of one decoder step. qkv (R, 3D): each row's query, key and value, heads
@@ -763,15 +772,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch
   check_rows(w, "w");
   const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
   TORCH_CHECK(w.size(1) == k && k % 16 == 0, "x (R, K) and w (N, K) need the same K, a multiple of 16");
-  const bool biased = bias.numel() > 0;
-  if (biased) {
-    TORCH_CHECK(bias.device().is_cpu() && bias.scalar_type() == torch::kFloat32 && bias.dim() == 1 &&
-                    bias.size(0) == n && bias.is_contiguous(),
-                "bias must be a contiguous float32 (N) CPU vector");
-  }
   auto out = torch::empty({rows, n}, x.options());
-  const Product p{x.data_ptr<float>(), w.data_ptr<float>(), biased ? bias.data_ptr<float>() : nullptr,
-                  out.data_ptr<float>(), k, n, relu};
+  const Product p{x.data_ptr<float>(), w.data_ptr<float>(), bias_data(bias, n), out.data_ptr<float>(), k, n, relu};
   const int64_t blocks = n / kBlockN;
   const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(1, kBlockN * k * rows));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
@@ -887,16 +889,10 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
                   panels.is_contiguous() && panels.size(2) == kPanel && panels.size(1) == x.size(1),
               "panels must be pack_panels' (N / ", kPanel, ", K, ", kPanel, ") of a weight with x's K");
   const int64_t rows = x.size(0), k = x.size(1), count = panels.size(0), n = count * kPanel;
-  const bool biased = bias.numel() > 0;
-  if (biased) {
-    TORCH_CHECK(bias.device().is_cpu() && bias.scalar_type() == torch::kFloat32 && bias.dim() == 1 &&
-                    bias.size(0) == n && bias.is_contiguous(),
-                "bias must be a contiguous float32 (N) CPU vector");
-  }
   auto out = torch::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
-  const float* bp = biased ? bias.data_ptr<float>() : nullptr;
+  const float* bp = bias_data(bias, n);
   float* op = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(1, kPanel * k * rows));
   at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
