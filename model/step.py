@@ -43,7 +43,7 @@ from torch import nn
 from model import fused
 from model.attention import attend
 from model.cache import KVCache
-from model.kernels import BoundLinear, LinearKernel, bind, reads_float_weight
+from model.kernels import BoundLinear, LinearKernel, PackedPanels, bind, reads_float_weight
 from model.kernels import aten as kernel_aten
 from model.linear import Linear, linear, uses_kernels
 from model.masks import padding_mask
@@ -221,6 +221,31 @@ class _Layer:
         )  # fmt: skip
 
 
+def _panel_stack(
+    kernels: ModuleType | None, layers: list[tuple[list[Linear], list[nn.LayerNorm]]]
+) -> tuple[list[torch.Tensor], float] | None:
+    """The parameters of the fused kernels' ``decoder_layers`` or ``encoder_layers`` (every layer
+    of a pass in one call: at one row the Python between the kernels was a sixth of a decoder
+    step) and the norms' epsilon, where they can run: post-LN layers (each given as its linear
+    layers and norms, in the kernels' order) whose products all run on these kernels' packed
+    panels (``PackedPanels``: float32 weights released on an Intel plan, ``checkpoint.load``) and
+    whose norms share one epsilon; else None."""
+    if kernels is None:
+        return None
+    params: list[torch.Tensor] = []
+    eps = set()
+    for linears, norms in layers:
+        for module in linears:
+            kernel = module.kernel
+            if not isinstance(kernel, PackedPanels) or kernel.product != kernels.panel_linear:
+                return None
+            params += [kernel.panels, kernel.bias]
+        for norm in norms:
+            params += [norm.weight, norm.bias]
+            eps.add(norm.eps)
+    return (params, eps.pop()) if len(eps) == 1 else None
+
+
 def _residual(x: torch.Tensor, y: torch.Tensor, norm: _Norm, norm_first: bool) -> torch.Tensor:
     """A sub-layer's output y joins the stream x: post-LN norm(x + y); pre-LN (y computed from
     norm(x)) x + y."""
@@ -267,6 +292,12 @@ class DecoderStep:
         self.fused = _fused_kernels(model, fast)
         self.few_rows = _few_rows(model, self.fused)
         self.layers = [_Layer.of(layer, fast, self.few_rows) for layer in model.decoder_layers]
+        # where every product runs on packed panels, all layers of a step in one call
+        self.stack = None if self.norm_first else _panel_stack(self.fused, [
+            ([layer.self_attn.qkv, layer.self_attn.out, layer.cross_attn.q, layer.cross_attn.out, layer.ff.fc1,
+              layer.ff.fc2], [layer.self_block.norm, layer.cross_block.norm, layer.ff_block.norm])
+            for layer in model.decoder_layers
+        ])  # fmt: skip
         # each layer's cross-attention K/V projection, for the memory of sentences that join
         self.cross_kv = [_bind(layer.cross_attn.kv, fast, self.few_rows) for layer in model.decoder_layers]
         out = model.output_matrix()
@@ -387,6 +418,14 @@ class DecoderStep:
         if rows is None or rows[0] is not memory_mask:
             rows = self._memory_rows = (memory_mask, memory_mask[:, 0, 0])  # (B, S) bool
         source = rows[1]
+        if self.stack is not None:
+            slots = [layer_cache.self_attention.next_slot() for layer_cache in cache.layers]
+            memories = [layer_cache.cross_attention for layer_cache in cache.layers]
+            params, eps = self.stack
+            return fused.decoder_layers(
+                x, params, [k for k, _, _ in slots], [v for _, v, _ in slots], [p for _, _, p in slots], visible,
+                [m.k for m in memories], [m.v for m in memories], source, scale, eps,
+            )  # fmt: skip
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             k, v, position = layer_cache.self_attention.next_slot()
             qkv = layer.qkv(x if post else layer.self_norm(x), False)  # (R, 3D)
@@ -459,6 +498,12 @@ class EncoderPass:
         self.layers = [_EncoderLayer.of(layer, fast, few) for layer in model.encoder_layers]
         self.final_norm = None if model.encoder_norm is None else _Norm.of(model.encoder_norm)
         self.scale = 1.0 / math.sqrt(cfg.d_model // cfg.n_heads)
+        # where every product runs on packed panels, all layers in one call
+        self.stack = None if self.norm_first else _panel_stack(self.fused, [
+            ([layer.self_attn.qkv, layer.self_attn.out, layer.ff.fc1, layer.ff.fc2],
+             [layer.attn_block.norm, layer.ff_block.norm])
+            for layer in model.encoder_layers
+        ])  # fmt: skip
 
     def __call__(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """src: (B, S) ids -> memory (B, S, D), source mask (B, 1, 1, S). Sentences go through
@@ -516,6 +561,9 @@ class EncoderPass:
         fused, post, h, scale = self.fused, not self.norm_first, self.heads, self.scale
         assert fused is not None
         mask = mask.contiguous()
+        if self.stack is not None:
+            params, eps = self.stack
+            return fused.encoder_layers(x, params, mask, h, scale, eps)
         for layer in self.layers:
             qkv = layer.qkv(x if post else layer.attn_norm(x), False)  # (B*S, 3D)
             y = layer.out(fused.encoder_attend(qkv, mask, h, scale), False)

@@ -909,6 +909,53 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
   return out;
 }
 
+// One decoder step through every layer of a post-LN decoder whose products all run on packed
+// panels: the same calls model/step.py's _fused_layers makes, in one call from Python (at one
+// row the Python around them was a sixth of a step). x (R, D); params: per layer 18 tensors in
+// the order of kLayerParams; self_k, self_v, positions: each layer's cache buffers and the
+// position its new key and value go to (SelfAttentionCache.next_slot); visible as self_attend's;
+// cross_k, cross_v (B, H, S, Dh) each layer's projected memory; source (B, S) bool as
+// cross_attend's mask. -> x, written in place (the joins' add_norm_), (R, D)
+constexpr int64_t kLayerParams = 18;  // qkv, self out, cross q, cross out, fc1, fc2 (panels, bias); 3 norms (weight, bias)
+torch::Tensor decoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& params,
+                             const std::vector<torch::Tensor>& self_k, const std::vector<torch::Tensor>& self_v,
+                             const std::vector<int64_t>& positions, const torch::Tensor& visible,
+                             const std::vector<torch::Tensor>& cross_k, const std::vector<torch::Tensor>& cross_v,
+                             const torch::Tensor& source, double scale, double eps) {
+  const size_t layers = self_k.size();
+  TORCH_CHECK(params.size() == layers * kLayerParams && self_v.size() == layers && positions.size() == layers &&
+                  cross_k.size() == layers && cross_v.size() == layers,
+              "decoder_layers: ", kLayerParams, " parameters and one cache of each kind per layer");
+  for (size_t i = 0; i < layers; i++) {
+    const torch::Tensor* p = params.data() + i * kLayerParams;
+    const auto qkv = panel_linear(x, p[0], p[1], false);
+    x = add_norm_(x, panel_linear(self_attend(qkv, self_k[i], self_v[i], positions[i], visible, scale), p[2], p[3], false),
+                  p[12], p[13], eps);
+    const auto q = panel_linear(x, p[4], p[5], false);
+    x = add_norm_(x, panel_linear(cross_attend(q, cross_k[i], cross_v[i], source, scale), p[6], p[7], false), p[14],
+                  p[15], eps);
+    x = add_norm_(x, panel_linear(panel_linear(x, p[8], p[9], true), p[10], p[11], false), p[16], p[17], eps);
+  }
+  return x;
+}
+
+// The encoder's layers, post-LN, every product on packed panels: _fused_layers of EncoderPass in
+// one call. x (B*S, D); params: per layer 12 tensors in the order of kEncoderLayerParams; mask
+// (B, S) bool as encoder_attend's. -> x, written in place (the joins' add_norm_), (B*S, D)
+constexpr int64_t kEncoderLayerParams = 12;  // qkv, out, fc1, fc2 (panels, bias); 2 norms (weight, bias)
+torch::Tensor encoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& params, const torch::Tensor& mask,
+                             int64_t heads, double scale, double eps) {
+  TORCH_CHECK(params.size() % kEncoderLayerParams == 0, "encoder_layers: ", kEncoderLayerParams,
+              " parameters per layer");
+  for (size_t i = 0; i < params.size(); i += kEncoderLayerParams) {
+    const torch::Tensor* p = params.data() + i;
+    const auto qkv = panel_linear(x, p[0], p[1], false);
+    x = add_norm_(x, panel_linear(encoder_attend(qkv, mask, heads, scale), p[2], p[3], false), p[8], p[9], eps);
+    x = add_norm_(x, panel_linear(panel_linear(x, p[4], p[5], true), p[6], p[7], false), p[10], p[11], eps);
+  }
+  return x;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("self_attend", &self_attend, "self-attention of one decoder step (writes the cache)");
   m.def("cross_attend", &cross_attend, "cross-attention of one decoder step");
@@ -923,5 +970,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_width", &panel_width, "weight rows a panel of pack_panels holds");
   m.def("pack_panels", &pack_panels, "a weight (N, K) as panel_linear reads it");
   m.def("panel_linear", &panel_linear, "a linear layer on packed panels: x w^T + bias, optionally ReLU'd");
+  m.def("decoder_layers", &decoder_layers, "a post-LN decoder step through every layer on packed panels");
+  m.def("encoder_layers", &encoder_layers, "a post-LN encoder through every layer on packed panels");
   m.def("embed", &embed, "a decoder step's or the encoder's input: position + scale * token embedding");
 }

@@ -15,7 +15,8 @@ from model import checkpoint, fused, kernels
 from model.data import pad
 from model.decoding import DecodeSession, DecodingOptions, decode_stream
 from model.shortlist import Vocabulary
-from model.step import DecoderStep, EncoderPass
+from model.step import DecoderStep, EncoderPass, bound_passes
+from model.transformer import Transformer
 from model.translator import Translator
 from tests.conftest import require
 from tests.factories import V, assert_steps_match, make_model
@@ -368,6 +369,58 @@ def test_sentences_joining_a_fused_batch_decode_as_if_alone() -> None:
     for tag, hyp in alone.items():
         assert together[tag].ids == hyp.ids
         assert together[tag].score == pytest.approx(hyp.score, abs=1e-4)
+
+
+@pytest.mark.parametrize("variant", [v for v in RUNNABLE if fused.panel_rows_limit(v) > 0])
+def test_passes_on_panels_alone_run_every_layer_in_one_call(variant: str) -> None:
+    """Where every product of a post-LN model runs on packed panels alone (float weights released,
+    as ``checkpoint.load`` does on Intel CPUs), the encoder and the decoder step run all their
+    layers in one call of the kernels (``encoder_layers``, ``decoder_layers``): the same kernels
+    in the same order, so the same numbers, bit for bit, as layer by layer, greedy and beam
+    search, sentences joining a running batch included. A pre-LN model and layers that kept
+    their float weights go layer by layer; a wrong parameter count is refused."""
+    kernels_module = fused.load(built(variant))
+    assert kernels_module is not None
+    src, later = pad(sources(3, seed=21), 0), pad(sources(2, seed=22), 0)
+
+    def decode(model: Transformer, options: DecodingOptions, stacked: bool) -> dict[int, tuple[list[int], float]]:
+        encoder, step = bound_passes(model)
+        stacks = encoder.stack, step.stack
+        if not stacked:
+            encoder.stack = step.stack = None
+        try:
+            session = DecodeSession(model, options)
+            session.admit(src, [0, 1, 2])
+            done = {d.tag: d.hypotheses[0] for d in session.step()}
+            session.admit(later, [3, 4])
+            while session.active:
+                done.update({d.tag: d.hypotheses[0] for d in session.step()})
+            memory = encoder(src)[0]
+        finally:
+            encoder.stack, step.stack = stacks
+        return {tag: (h.ids, h.score) for tag, h in done.items()} | {-1: (memory.flatten().tolist(), 0.0)}
+
+    plan = replace(kernels.choose("cpu", "float32", HERE), kernel="aten", step_kernel=None, fused=variant)
+    for norm_first in (False, True):
+        model, kept = (kernels.install(make_model(seed=9, norm_first=norm_first), plan) for _ in range(2))
+        assert isinstance(model, Transformer) and isinstance(kept, Transformer)
+        kernels.release_float_weights(model, keep=[model.output_matrix()], panels=kernels_module)
+        with torch.inference_mode():
+            encoder, step = bound_passes(model)
+            assert (encoder.stack is None, step.stack is None) == (norm_first, norm_first)
+            assert bound_passes(kept)[0].stack is None and bound_passes(kept)[1].stack is None
+            for beam in (1, 3):
+                options = DecodingOptions(beam_size=beam, max_length_b=6)
+                stacked = decode(model, options, True)
+                assert stacked == decode(model, options, False)
+                for tag, (ids, score) in decode(kept, options, True).items():
+                    if tag >= 0:
+                        assert ids == stacked[tag][0] and score == pytest.approx(stacked[tag][1], abs=1e-4)
+    x, mask = torch.zeros(1, 32), torch.empty(0, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="parameters per layer"):
+        kernels_module.encoder_layers(x, [x] * 5, mask, 4, 1.0, 1e-5)
+    with pytest.raises(RuntimeError, match="one cache of each kind per layer"):
+        kernels_module.decoder_layers(x, [x] * 17, [x], [x], [0], mask, [x], [x], x, 1.0, 1e-5)
 
 
 def test_kernels_that_cannot_build_leave_the_tensor_operations(
