@@ -504,6 +504,60 @@ torch::Tensor own_bias(const torch::Tensor& column, const torch::Tensor& always,
   return out;
 }
 
+// Sentences join a shortlist's columns (model/shortlist.py, Vocabulary.join): each candidate's
+// count goes up; the ids that had no column get one, appended in ascending order after the
+// `size` columns in use, with their rows of the output matrix. counts (V) int32, column (V)
+// int64 (-1: none); ids (C) int64 and rows (C, D) float32 the columns' buffers, room for every
+// new one; matrix (V, D) float32 or float16 (a lookup table kept in float16, widened here);
+// candidates: each sentence's unique ids. -> the columns in use.
+int64_t join_columns(torch::Tensor counts, torch::Tensor column, torch::Tensor ids, torch::Tensor rows, int64_t size,
+                     const torch::Tensor& matrix, const std::vector<torch::Tensor>& candidates) {
+  auto is_vector = [](const torch::Tensor& t, torch::ScalarType type) {
+    return t.is_cpu() && t.scalar_type() == type && t.dim() == 1 && t.is_contiguous();
+  };
+  check_rows(rows, "rows");
+  const int64_t vocab = column.numel(), d = rows.size(1);
+  const bool half = matrix.scalar_type() == torch::kHalf;
+  TORCH_CHECK(is_vector(counts, torch::kInt32) && is_vector(column, torch::kInt64) && is_vector(ids, torch::kInt64) &&
+                  matrix.is_cpu() && (half || matrix.scalar_type() == torch::kFloat32) && matrix.dim() == 2 &&
+                  matrix.is_contiguous() && counts.numel() == vocab && matrix.size(0) == vocab &&
+                  matrix.size(1) == d && rows.size(0) == ids.numel() && size >= 0 && size <= ids.numel(),
+              "join_columns: counts, column (V), ids (C), rows (C, D) float32, matrix (V, D) float32 or float16");
+  int32_t* count = counts.data_ptr<int32_t>();
+  int64_t* col = column.data_ptr<int64_t>();
+  std::vector<int64_t> fresh;
+  for (const auto& sentence : candidates) {
+    TORCH_CHECK(is_vector(sentence, torch::kInt64), "candidates must be contiguous int64 CPU vectors");
+    const int64_t* id = sentence.data_ptr<int64_t>();
+    for (int64_t j = 0; j < sentence.numel(); j++) {
+      TORCH_CHECK(id[j] >= 0 && id[j] < vocab, "token ", id[j], " outside the vocabulary of ", vocab);
+      count[id[j]]++;
+      if (col[id[j]] == -1) {
+        col[id[j]] = -2;  // new, and listed once
+        fresh.push_back(id[j]);
+      }
+    }
+  }
+  TORCH_CHECK(size + static_cast<int64_t>(fresh.size()) <= ids.numel(), "join_columns: room for ",
+              ids.numel() - size, " new columns, ", fresh.size(), " needed");
+  std::sort(fresh.begin(), fresh.end());
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* rp = rows.data_ptr<float>();
+  for (const int64_t id : fresh) {
+    col[id] = size;
+    ip[size] = id;
+    float* row = rp + size * d;
+    if (half) {
+      const at::Half* from = matrix.data_ptr<at::Half>() + id * d;
+      for (int64_t j = 0; j < d; j++) row[j] = static_cast<float>(from[j]);
+    } else {
+      std::memcpy(row, matrix.data_ptr<float>() + id * d, d * sizeof(float));
+    }
+    size++;
+  }
+  return size;
+}
+
 // x = LayerNorm(x + y) in place (the post-LN residual join). x, y (R, D); weight, bias (D). -> x
 torch::Tensor add_norm_(torch::Tensor x, const torch::Tensor& y, const torch::Tensor& weight,
                         const torch::Tensor& bias, double eps) {
@@ -965,6 +1019,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("candidates", &candidates, "each sentence's own shortlist candidates");
   m.def("gather_rows_", &gather_rows_, "the KV cache's reorder: rows gathered, joiners zeroed, keys then values");
   m.def("split_kv", &split_kv, "joining sentences' cross-attention K and V, heads apart");
+  m.def("join_columns", &join_columns, "sentences join a shortlist's columns: counts, new columns and their rows");
   m.def("own_bias", &own_bias, "a shortlist's bias rows: 0 at each sentence's own columns, -inf elsewhere");
   m.def("linear", &linear, "a linear layer for a few rows: x w^T + bias, optionally ReLU'd");
   m.def("panel_width", &panel_width, "weight rows a panel of pack_panels holds");

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import checkpoint, kernels
+from model import checkpoint, fused, kernels
 from model.data import pad, read_lines
 from model.decoding import DecodeSession, DecodingOptions, decode
 from model.shortlist import Shortlist, Vocabulary, build
 from model.transformer import Transformer
 from model.translator import Translator
+from tests.conftest import require
 from tests.factories import V, make_model
 
 
@@ -90,6 +91,39 @@ def test_the_columns_grow_as_sentences_join_and_are_made_again_only_past_the_sla
     mixed.leave([0], [1], torch.tensor([1]))  # made again from the union, sorted: 0, 6, 90
     mixed.clear()  # ``always`` no longer first: made again
     assert mixed.ids.tolist() == [0, 90] and mixed.remade == 3
+
+
+@pytest.mark.parametrize("matrix_dtype", [torch.float32, torch.float16])
+def test_the_kernels_join_columns_as_the_tensor_operations_do(matrix_dtype: torch.dtype) -> None:
+    """``Vocabulary.join`` on the fused kernels (``join_columns``: counts, new columns in ascending
+    order, their rows widened to float32 from a float32 or float16 output matrix, the buffers
+    grown first) leaves the state the tensor operations leave, through joins, leaves, a remake
+    and clears; a join the buffers have no room for is refused."""
+    variant = kernels.fused_variant(kernels.detected())
+    module = fused.load(variant)
+    require(module is not None, f"the fused step kernels ({variant}) do not build here: see the log")
+    table = Shortlist.from_table(torch.randint(0, 100, (100, 3)), torch.tensor([0, 1, 2, 3]))
+    matrix = torch.randn(100, 16).to(matrix_dtype)
+    plain, fast = Vocabulary(table, matrix, torch.float32), Vocabulary(table, matrix, torch.float32)
+    rng = random.Random(4)
+    for round in range(12):
+        joining = [torch.tensor(sorted(rng.sample(range(100), rng.randint(1, 30)))) for _ in range(rng.randint(1, 4))]
+        plain.join(joining)
+        fast.join(joining, module)
+        for name in ("counts", "column", "ids", "rows", "bias"):
+            assert torch.equal(getattr(fast, name), getattr(plain, name)), (round, name)
+        n = len(plain.sentences)
+        if round % 4 == 3:
+            plain.clear()
+            fast.clear()
+        elif n > 2:
+            gone, kept = [0, n - 1], list(range(1, n - 1))
+            plain.leave(gone, kept, torch.tensor(kept))
+            fast.leave(gone, kept, torch.tensor(kept))
+    assert plain.remade == fast.remade and fast.rows.dtype == torch.float32
+    full = Vocabulary(table, matrix, torch.float32)  # its buffers hold ``always``'s 4 columns
+    with pytest.raises(RuntimeError, match="room for 0 new columns"):
+        module.join_columns(full.counts, full.column, full._ids, full._rows, 4, matrix, [torch.arange(100)])
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
