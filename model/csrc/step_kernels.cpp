@@ -1010,7 +1010,12 @@ torch::Tensor encoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& 
   return x;
 }
 
+// The longest calls (a whole pass, or a product of many rows: milliseconds in a batch) let go of
+// Python's lock while they run, so the server's event loop goes on reading and answering requests
+// meanwhile: at 64 clients +1.5-16% requests/s (4 alternated pairs), one client level
+// (docs/benchmarks.md "One call per pass"). They touch only the tensors they are given.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto unlocked = py::call_guard<py::gil_scoped_release>();
   m.def("self_attend", &self_attend, "self-attention of one decoder step (writes the cache)");
   m.def("cross_attend", &cross_attend, "cross-attention of one decoder step");
   m.def("encoder_attend", &encoder_attend, "the encoder's self-attention over padded sentences");
@@ -1024,8 +1029,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "a linear layer for a few rows: x w^T + bias, optionally ReLU'd");
   m.def("panel_width", &panel_width, "weight rows a panel of pack_panels holds");
   m.def("pack_panels", &pack_panels, "a weight (N, K) as panel_linear reads it");
-  m.def("panel_linear", &panel_linear, "a linear layer on packed panels: x w^T + bias, optionally ReLU'd");
-  m.def("decoder_layers", &decoder_layers, "a post-LN decoder step through every layer on packed panels");
-  m.def("encoder_layers", &encoder_layers, "a post-LN encoder through every layer on packed panels");
+  m.def("panel_linear", &panel_linear, unlocked, "a linear layer on packed panels: x w^T + bias, optionally ReLU'd");
+  m.def("decoder_layers", &decoder_layers, unlocked, "a post-LN decoder step through every layer on packed panels");
+  m.def("encoder_layers", &encoder_layers, unlocked, "a post-LN encoder through every layer on packed panels");
   m.def("embed", &embed, "a decoder step's or the encoder's input: position + scale * token embedding");
 }

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import gzip
 import logging
+import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -421,6 +424,48 @@ def test_passes_on_panels_alone_run_every_layer_in_one_call(variant: str) -> Non
         kernels_module.encoder_layers(x, [x] * 5, mask, 4, 1.0, 1e-5)
     with pytest.raises(RuntimeError, match="one cache of each kind per layer"):
         kernels_module.decoder_layers(x, [x] * 17, [x], [x], [0], mask, [x], [x], x, 1.0, 1e-5)
+
+
+def test_the_long_kernels_let_other_python_threads_run() -> None:
+    """``panel_linear`` and ``encoder_layers`` (and ``decoder_layers``, declared alike) let go of
+    Python's lock while they compute: a Python thread beside them keeps running (the server's
+    event loop, while a batch decodes), where it would stand still for the whole call. The
+    switch interval is raised so that only a released lock lets it run."""
+    module = fused.load(built(kernels.fused_variant(HERE)))
+    assert module is not None
+    torch.manual_seed(0)
+    d, f, rows = 256, 1024, 2048
+
+    def packed(n: int, k: int) -> list[torch.Tensor]:
+        return [module.pack_panels(torch.randn(n, k) / k**0.5), torch.zeros(n)]
+
+    layer = [*packed(3 * d, d), *packed(d, d), *packed(f, d), *packed(d, f)]
+    layer += [torch.ones(d), torch.zeros(d), torch.ones(d), torch.zeros(d)]
+    x, mask = torch.randn(rows, d), torch.ones(rows // 32, 32, dtype=torch.bool)
+    calls = {
+        "panel_linear": lambda: module.panel_linear(x, layer[4], layer[5], True),
+        "encoder_layers": lambda: module.encoder_layers(x.clone(), layer * 2, mask, 4, 0.125, 1e-5),
+    }
+    ticks, stop = [0], threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            ticks[0] += 1
+
+    interval = sys.getswitchinterval()
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        time.sleep(0.02)
+        sys.setswitchinterval(10.0)  # from here the spinner runs only while the lock is released
+        for name, call in calls.items():
+            before = ticks[0]
+            call()
+            assert ticks[0] - before > 100, f"{name} held Python's lock"
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        spinner.join()
 
 
 def test_kernels_that_cannot_build_leave_the_tensor_operations(
