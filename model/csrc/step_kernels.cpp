@@ -525,21 +525,26 @@ int64_t join_columns(torch::Tensor counts, torch::Tensor column, torch::Tensor i
               "join_columns: counts, column (V), ids (C), rows (C, D) float32, matrix (V, D) float32 or float16");
   int32_t* count = counts.data_ptr<int32_t>();
   int64_t* col = column.data_ptr<int64_t>();
+  // checked and listed before anything changes: a refused join leaves the columns as they were
   std::vector<int64_t> fresh;
+  std::vector<uint8_t> listed(vocab);
   for (const auto& sentence : candidates) {
     TORCH_CHECK(is_vector(sentence, torch::kInt64), "candidates must be contiguous int64 CPU vectors");
     const int64_t* id = sentence.data_ptr<int64_t>();
     for (int64_t j = 0; j < sentence.numel(); j++) {
       TORCH_CHECK(id[j] >= 0 && id[j] < vocab, "token ", id[j], " outside the vocabulary of ", vocab);
-      count[id[j]]++;
-      if (col[id[j]] == -1) {
-        col[id[j]] = -2;  // new, and listed once
+      if (col[id[j]] < 0 && !listed[id[j]]) {
+        listed[id[j]] = 1;
         fresh.push_back(id[j]);
       }
     }
   }
   TORCH_CHECK(size + static_cast<int64_t>(fresh.size()) <= ids.numel(), "join_columns: room for ",
               ids.numel() - size, " new columns, ", fresh.size(), " needed");
+  for (const auto& sentence : candidates) {
+    const int64_t* id = sentence.data_ptr<int64_t>();
+    for (int64_t j = 0; j < sentence.numel(); j++) count[id[j]]++;
+  }
   std::sort(fresh.begin(), fresh.end());
   int64_t* ip = ids.data_ptr<int64_t>();
   float* rp = rows.data_ptr<float>();

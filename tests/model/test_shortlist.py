@@ -98,7 +98,8 @@ def test_the_kernels_join_columns_as_the_tensor_operations_do(matrix_dtype: torc
     """``Vocabulary.join`` on the fused kernels (``join_columns``: counts, new columns in ascending
     order, their rows widened to float32 from a float32 or float16 output matrix, the buffers
     grown first) leaves the state the tensor operations leave, through joins, leaves, a remake
-    and clears; a join the buffers have no room for is refused."""
+    and clears; a join the buffers have no room for, or with an id outside the vocabulary, is
+    refused and changes nothing."""
     variant = kernels.fused_variant(kernels.detected())
     module = fused.load(variant)
     require(module is not None, f"the fused step kernels ({variant}) do not build here: see the log")
@@ -122,8 +123,12 @@ def test_the_kernels_join_columns_as_the_tensor_operations_do(matrix_dtype: torc
             fast.leave(gone, kept, torch.tensor(kept))
     assert plain.remade == fast.remade and fast.rows.dtype == torch.float32
     full = Vocabulary(table, matrix, torch.float32)  # its buffers hold ``always``'s 4 columns
+    counts, column = full.counts.clone(), full.column.clone()
     with pytest.raises(RuntimeError, match="room for 0 new columns"):
         module.join_columns(full.counts, full.column, full._ids, full._rows, 4, matrix, [torch.arange(100)])
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        module.join_columns(full.counts, full.column, full._ids, full._rows, 4, matrix, [torch.tensor([5, 100])])
+    assert torch.equal(full.counts, counts) and torch.equal(full.column, column)  # a refused join changes nothing
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
