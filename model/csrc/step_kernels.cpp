@@ -263,6 +263,11 @@ void check_cache(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(3) == 1, name, "'s head_dim must be contiguous");
 }
 
+// A contiguous 1-d CPU tensor of `type` (ids, counts).
+bool is_vector(const torch::Tensor& t, torch::ScalarType type) {
+  return t.is_cpu() && t.scalar_type() == type && t.dim() == 1 && t.is_contiguous();
+}
+
 // A product's bias (N), or nullptr for an empty tensor (none).
 const float* bias_data(const torch::Tensor& bias, int64_t n) {
   if (bias.numel() == 0) return nullptr;
@@ -480,9 +485,7 @@ std::vector<torch::Tensor> split_kv(const torch::Tensor& kv, int64_t sentences, 
 // column (-1: none); always, candidates[i]: int64 token ids, each with a column. -> (B, size).
 torch::Tensor own_bias(const torch::Tensor& column, const torch::Tensor& always,
                        const std::vector<torch::Tensor>& candidates, int64_t size) {
-  auto is_ids = [](const torch::Tensor& t) {
-    return t.is_cpu() && t.scalar_type() == torch::kInt64 && t.dim() == 1 && t.is_contiguous();
-  };
+  auto is_ids = [](const torch::Tensor& t) { return is_vector(t, torch::kInt64); };
   TORCH_CHECK(is_ids(column) && is_ids(always), "column and always must be contiguous int64 CPU vectors");
   const int64_t b = static_cast<int64_t>(candidates.size()), vocab = column.numel();
   auto out = torch::full({b, size}, -INFINITY, torch::dtype(torch::kFloat32));
@@ -512,9 +515,6 @@ torch::Tensor own_bias(const torch::Tensor& column, const torch::Tensor& always,
 // candidates: each sentence's unique ids. -> the columns in use.
 int64_t join_columns(torch::Tensor counts, torch::Tensor column, torch::Tensor ids, torch::Tensor rows, int64_t size,
                      const torch::Tensor& matrix, const std::vector<torch::Tensor>& candidates) {
-  auto is_vector = [](const torch::Tensor& t, torch::ScalarType type) {
-    return t.is_cpu() && t.scalar_type() == type && t.dim() == 1 && t.is_contiguous();
-  };
   check_rows(rows, "rows");
   const int64_t vocab = column.numel(), d = rows.size(1);
   const bool half = matrix.scalar_type() == torch::kHalf;

@@ -16,7 +16,7 @@ import torch
 
 from model import checkpoint, fused, kernels
 from model.data import pad
-from model.decoding import DecodeSession, DecodingOptions, decode_stream
+from model.decoding import DecodeSession, DecodingOptions, Hypothesis, decode_stream
 from model.shortlist import Vocabulary
 from model.step import DecoderStep, EncoderPass, bound_passes
 from model.transformer import Transformer
@@ -351,6 +351,20 @@ def test_the_shipped_model_translates_the_same_on_both_paths(shipped: Path, data
             assert all(a.score == pytest.approx(b.score, abs=0.15) for a, b in pairs if a.ids == b.ids)
 
 
+def decode_joining(
+    model: Transformer, options: DecodingOptions, first: torch.Tensor, later: torch.Tensor
+) -> dict[int, Hypothesis]:
+    """``first`` (B, S) padded sources decoded in one session, ``later`` admitted after its first
+    step -> each sentence's best hypothesis by tag (``first``'s 0..B-1, then ``later``'s)."""
+    session = DecodeSession(model, options)
+    session.admit(first, list(range(len(first))))
+    done = {d.tag: d.hypotheses[0] for d in session.step()}
+    session.admit(later, list(range(len(first), len(first) + len(later))))
+    while session.active:
+        done.update({d.tag: d.hypotheses[0] for d in session.step()})
+    return done
+
+
 def test_sentences_joining_a_fused_batch_decode_as_if_alone() -> None:
     """Continuous batching on the fused kernels: sentences admitted while others decode get
     what they get decoded alone."""
@@ -363,12 +377,7 @@ def test_sentences_joining_a_fused_batch_decode_as_if_alone() -> None:
         (done,) = list(decode_stream(model, src[:, : int((src != 0).sum())], options))
         alone[tag] = done.hypotheses[0]
     with torch.inference_mode():
-        session = DecodeSession(model, options)
-        session.admit(first, [0, 1, 2])
-        together = {d.tag: d.hypotheses[0] for d in session.step()}
-        session.admit(later, [3, 4])
-        while session.active:
-            together.update({d.tag: d.hypotheses[0] for d in session.step()})
+        together = decode_joining(model, options, first, later)
     for tag, hyp in alone.items():
         assert together[tag].ids == hyp.ids
         assert together[tag].score == pytest.approx(hyp.score, abs=1e-4)
@@ -392,12 +401,7 @@ def test_passes_on_panels_alone_run_every_layer_in_one_call(variant: str) -> Non
         if not stacked:
             encoder.stack = step.stack = None
         try:
-            session = DecodeSession(model, options)
-            session.admit(src, [0, 1, 2])
-            done = {d.tag: d.hypotheses[0] for d in session.step()}
-            session.admit(later, [3, 4])
-            while session.active:
-                done.update({d.tag: d.hypotheses[0] for d in session.step()})
+            done = decode_joining(model, options, src, later)
             memory = encoder(src)[0]
         finally:
             encoder.stack, step.stack = stacks
