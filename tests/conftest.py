@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import checkpoint
+from model import checkpoint, fused, kernels
 from model.data import MULTI30K_DIR, read_lines
 from model.tokenizer import Tokenizer, train_tokenizer
 from model.transformer import Transformer
@@ -28,6 +28,16 @@ def require(condition: bool, reason: str) -> None:
         if IN_CI:
             pytest.fail(f"CI: {reason}")
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fused_kernels_built() -> None:
+    """Build this CPU's fused decoder-step kernels (``model.fused``) once, before any test: on a
+    machine whose torch extension cache has none, the first model load compiles them (55 s on a
+    2-core AMD EPYC Zen 3), which would otherwise count against the first test server's
+    readiness deadline. Servers started later, in this process or another, load the cached build."""
+    if fused.enabled():
+        fused.load(kernels.fused_variant(kernels.detected()))
 
 
 @pytest.fixture(scope="session")

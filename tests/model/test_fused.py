@@ -347,8 +347,12 @@ def test_the_shipped_model_translates_the_same_on_both_paths(shipped: Path, data
             # (the encoder runs on the kernels too: capped to AVX2, 7-bit activations, 44 of 48 on
             # 2026-11-27; 46 or more uncapped)
             assert len(same) >= 42
-            # (capped to AVX2, 7-bit activations (reduce_range): up to 0.07 apart on 2026-11-27)
-            assert all(a.score == pytest.approx(b.score, abs=0.15) for a, b in pairs if a.ids == b.ids)
+            # a score sums one log-probability a token, each moved by its step's scales: within
+            # 0.015 a token (EOS counted). Capped to AVX2 on an Intel Xeon: up to 0.07 apart on
+            # 2026-11-27; on a real AVX2 CPU (AMD EPYC Zen 3, fbgemm's AVX2 kernels, 7-bit
+            # activations) up to 0.0087 a token (0.156 over 17 pieces and EOS) on 2026-11-28
+            per_token = [abs(a.score - b.score) / (len(a.ids) + 1) for a, b in pairs if a.ids == b.ids]
+            assert max(per_token) <= 0.015, per_token
 
 
 def decode_joining(
