@@ -4,7 +4,8 @@
 
 One JSON line per (layer shape, rows): microseconds per call of ``aten`` (``F.linear``),
 ``wx`` (MKL as W·xᵀ), ``onednn`` (packed weights; its one-row fallback off, to show what it
-replaces) and ``fbgemm-int8``, where this CPU can run them (``model.kernels.choose``). The shapes are the
+replaces), ``panels`` (the fused kernels' ``panel_linear`` on weights packed into panels) and
+``fbgemm-int8``, where this CPU can run them (``model.kernels.choose``). The shapes are the
 decoder's: fused QKV (768 x 256), attention output (256 x 256), feed-forward (1024 x 256,
 256 x 1024) and the tied output projection (8000 x 256). ``isa`` names the kernel path the
 CPU features (and the ISA caps in the environment) select.
@@ -29,7 +30,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from model import kernels
+from model import fused, kernels
 
 SHAPES = ((768, 256), (256, 256), (1024, 256), (256, 1024), (8000, 256))
 LAYER = ((768, 256), (256, 256), (256, 256), (256, 256), (1024, 256), (256, 1024))  # one decoder layer, in order
@@ -51,6 +52,36 @@ def packed_onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, relu
     return out
 
 
+def panels_kernel() -> kernels.LinearKernel | None:
+    """The fused kernels' product on packed panels as a ``LinearKernel`` (each weight packed once),
+    where this CPU's variant builds and has panels; else None."""
+    variant = kernels.fused_variant(kernels.detected())
+    module = fused.load(variant) if fused.panel_rows_limit(variant) > 0 else None
+    if module is None:
+        return None
+    cache = kernels._Packed(lambda w, b: module.pack_panels(w))
+    none = torch.empty(0)
+
+    def panels(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
+        out: torch.Tensor = module.panel_linear(x, cache.get(w, None), none if b is None else b, relu)
+        return out
+
+    return panels
+
+
+def runnable_kernels() -> dict[str, kernels.LinearKernel]:
+    """Every float32 kernel this CPU runs (and int8's, with AVX2), by name."""
+    found: dict[str, kernels.LinearKernel] = {"aten": kernels.aten, "wx": kernels.wx}
+    if torch.backends.mkldnn.is_available() and kernels.detected().avx2:
+        found["onednn"] = packed_onednn
+    panels = panels_kernel()
+    if panels is not None:
+        found["panels"] = panels
+    with contextlib.suppress(kernels.UnsupportedPrecision):  # no AVX2: no int8 row
+        found["fbgemm-int8"] = kernels.kernel_for(kernels.choose("cpu", "int8"))
+    return found
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
@@ -59,11 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step", action="store_true", help="a decoder step's 19 matrices in turn, per step")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    runnable: dict[str, kernels.LinearKernel] = {"aten": kernels.aten, "wx": kernels.wx}
-    if kernels.choose("cpu", "float32").kernel == "onednn":
-        runnable["onednn"] = packed_onednn
-    with contextlib.suppress(kernels.UnsupportedPrecision):  # no AVX2: no int8 row
-        runnable["fbgemm-int8"] = kernels.kernel_for(kernels.choose("cpu", "int8"))
+    runnable = runnable_kernels()
     torch.manual_seed(0)
     with torch.no_grad():  # (parameters made in inference mode would have no version counter)
         if args.step:
@@ -97,7 +124,10 @@ def step_rows(runnable: dict[str, kernels.LinearKernel], row_counts: list[int], 
 
             row[f"{name}_ms"] = round(per_call_us(step, steps) / 1000, 3)
         plan = kernels.choose("cpu", "float32")
-        planned = [packed_onednn if k == "onednn" else kernels.kernel_for(plan, k) for k in (plan.step, plan.kernel)]
+        # (the output projection runs ``aten`` on a plan on panels: ``kernels.release_float_weights``)
+        named = {"onednn": packed_onednn, "panels": runnable.get("panels", kernels.aten)}
+        output = kernels.aten if plan.kernel == "panels" else named.get(plan.kernel, kernels.kernel_for(plan))
+        planned = [named.get(plan.step, kernels.kernel_for(plan, plan.step)), output]
 
         def planned_step(
             inputs: dict[int, torch.Tensor] = inputs, planned: list[kernels.LinearKernel] = planned

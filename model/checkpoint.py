@@ -196,7 +196,7 @@ def load(
     """Load and validate a checkpoint folder onto ``device`` for inference at ``precision``
     (float32, bfloat16, float16 or int8; eval mode), with the linear kernels ``kernels.choose``
     picks for it and this CPU (or ``features``). Layers that run on packed copies (int8, float32
-    on oneDNN, float32 on the fused kernels' panels where MKL would run them) give their float
+    on oneDNN, float32 on the fused kernels' panels: a plan on ``panels``) give their float
     weights up (``kernels.release_float_weights``; the output
     projection too, its embeddings kept for the lookups, in float16 where exact:
     ``release_output_projection``), so the model is for inference only; ``keep_float_weights``

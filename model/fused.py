@@ -95,6 +95,18 @@ def load(variant: str | None) -> ModuleType | None:
         return _loaded[variant]
 
 
+def buildable(variant: str | None) -> bool:
+    """Whether ``variant``'s kernels are loaded or can be built here: a C++ compiler (``CXX``, else
+    ``c++``) on PATH, unless an earlier attempt failed; cheap, builds nothing. (A build can still
+    fail; ``load`` then logs why and the tensor operations run.)"""
+    if variant is None:
+        return False
+    with _lock:
+        if variant in _loaded:
+            return _loaded[variant] is not None
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
 def few_rows_limit(variant: str | None) -> int:
     """The most rows a matrix product of ``variant``'s kernels takes (``FEW_ROWS``; 0: none)."""
     return 0 if variant is None else FEW_ROWS.get(variant, 0)

@@ -6,9 +6,10 @@ CPU flags. ``choose`` maps (device, precision, CPU features) to a ``KernelPlan``
 
 | precision | CPU has | kernel | why |
 | --- | --- | --- | --- |
-| float32 | AVX2 (x86) | ``onednn`` | oneDNN matmul on weights packed once: 2-3x MKL's sgemm at 4-256 rows |
-| float32, step layers | Intel, AVX2 | ``aten`` | MKL's sgemm (``F.linear``): beats oneDNN and ``wx`` there |
-| float32, step layers | other AVX2, no AVX-512 | ``wx`` | MKL's sgemm as W·xᵀ: as fast, no oneDNN shapes to cache |
+| float32 | AVX2 + FMA, a C++ compiler | ``panels`` | the fused kernels' products on packed panels, a pass in one call |
+| float32, no compiler | Intel, AVX2 | ``aten`` | MKL's sgemm (``F.linear``): beats oneDNN and ``wx`` there |
+| float32, no compiler | other AVX2 (x86) | ``onednn`` | oneDNN on weights packed once: 2-3x MKL's sgemm, 4-256 rows |
+| float32, no compiler, step | other AVX2, no AVX-512 | ``wx`` | MKL as W·xᵀ: as fast, no oneDNN shapes to cache |
 | float32 | no AVX2 | ``aten`` | ``F.linear``; torch's oneDNN weight packing is only trusted on x86 |
 | bfloat16 | AVX-512 BW/VL/DQ or AVX-NE-CONVERT | ``onednn`` | what torch's oneDNN bf16 reorder requires |
 | bfloat16 | less | ``aten`` | works, slowly; logged once at load |
@@ -32,8 +33,8 @@ The decoder step's layers (``Transformer.step_linears``: every layer a decoder s
 the output projection) take the plan's ``step_kernel`` where it differs. A float32 model loaded
 for inference then keeps one copy of each weight: the packed copy where oneDNN runs it
 (``PackedOneDNN``, ``release_float_weights``), the fused kernels' panels where the plan names
-``aten`` and they build (``PackedPanels``: faster than MKL's sgemm from 2 to a few hundred rows),
-the float weight where ``wx`` or ``aten`` reads it.
+``panels`` (``PackedPanels``: faster than MKL's sgemm and oneDNN from 2 to a few hundred rows; the
+layers run ``aten`` until they are packed), the float weight where ``wx`` or ``aten`` reads it.
 Measured per-call times behind the choices: docs/benchmarks.md "Linear kernels" and "The
 decoder step's layers through MKL".
 """
@@ -58,9 +59,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.fused import buildable, packable, panel_rows_limit
 from model.fused import enabled as fused_enabled
 from model.fused import load as load_fused
-from model.fused import packable, panel_rows_limit
 from model.precision import PRECISIONS, Precision
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ def detected() -> CpuFeatures:
     return CpuFeatures.detect()
 
 
-KernelName = Literal["onednn", "aten", "fbgemm-int8", "wx"]
+KernelName = Literal["onednn", "aten", "fbgemm-int8", "wx", "panels"]
 
 
 @dataclass(frozen=True)
@@ -209,11 +210,14 @@ def choose(
     float32 (float32 and int8) name the fused decoder-step kernels for this CPU (``fused_variant``).
     Raises ``UnsupportedPrecision`` naming ``TRANSLATOR_DTYPE`` when it cannot run at all.
     """
-    plan = _choose(device, precision, features, engines)
     use = fused_enabled() if fused is None else fused
-    if use and plan.device == "cpu" and plan.dtype == torch.float32:
-        f = features if features is not None else detected()
-        plan = replace(plan, fused=fused_variant(f))
+    on_cpu = torch.device(device).type == "cpu"
+    f = features if features is not None or not on_cpu else detected()
+    variant = fused_variant(f) if use and f is not None else None
+    panels = variant is not None and precision == "float32" and panel_rows_limit(variant) > 0 and buildable(variant)
+    plan = _choose(device, precision, f, engines, panels)
+    if variant is not None and plan.device == "cpu" and plan.dtype == torch.float32:
+        plan = replace(plan, fused=variant)
     return plan
 
 
@@ -222,6 +226,7 @@ def _choose(
     precision: str,
     features: CpuFeatures | None,
     engines: Iterable[str] | None,
+    panels: bool = False,
 ) -> KernelPlan:
     dev = torch.device(device).type
     if precision not in PRECISIONS:
@@ -243,7 +248,14 @@ def _choose(
             )
         return KernelPlan("cpu", "int8", torch.float32, "fbgemm-int8", f.isa, reduce_range=not f.avx512_vnni)
     if precision == "float32":
-        # On Intel CPUs every layer runs MKL's sgemm behind ``F.linear``: faster than oneDNN and
+        # Where the fused kernels build with packed panels (AVX2 + FMA and a C++ compiler), every
+        # layer but the output projection runs on its panels, the passes' layers in one call each:
+        # faster than MKL's sgemm on an Intel Xeon (AVX-512, and capped to AVX2: "Packed panels")
+        # and than oneDNN / ``wx`` on an AMD EPYC Zen 3 (AVX2: 1.14-1.53x, "The panels on a real
+        # AVX2 CPU"); AMD's AVX-512 CPUs (Zen 4/5) take them too, not measured there.
+        if panels:
+            return KernelPlan("cpu", "float32", torch.float32, "panels", f.isa)
+        # Without them: on Intel CPUs every layer runs MKL's sgemm behind ``F.linear``: faster than oneDNN and
         # ``wx`` for the decoder step's layers at every batch shape measured, and for the encoder's
         # at 1-64 sentences, natively and capped to AVX2, with no oneDNN primitives kept
         # (docs/benchmarks.md "The decoder step's layers on an Intel CPU", "Every float32 layer on
@@ -523,9 +535,10 @@ class PackedPanels:
     """One float32 layer's kernel once its weight is released (``release_float_weights`` with
     the fused kernels): the fused kernels' product on the weight packed into panels
     (``panel_linear``) at every row count, its own bias added in the same pass; the ``weight`` and
-    ``bias`` it is called with are placeholders and are not read. Where MKL's sgemm would read the
-    float weight (Intel CPUs), this is faster from 2 to a few hundred rows and as fast at one row
-    (docs/benchmarks.md "Packed panels"), and the model keeps one copy of the weight, not two."""
+    ``bias`` it is called with are placeholders and are not read. Faster than MKL's sgemm (Intel
+    CPUs) from 2 to a few hundred rows and as fast at one row (docs/benchmarks.md "Packed panels"),
+    faster than oneDNN on an AMD Zen 3 ("The panels on a real AVX2 CPU"); the model keeps one copy
+    of the weight, not two."""
 
     panels: torch.Tensor  # (out / width, in, width)
     bias: torch.Tensor  # (out,), or empty: none
@@ -546,10 +559,10 @@ class PackedPanels:
 
 
 def panel_kernels(plan: KernelPlan) -> ModuleType | None:
-    """The fused kernels whose packed panels replace MKL's float weights in a float32 plan on
-    ``aten`` (Intel CPUs, where the fused kernels build and have panels: ``fused.PANEL_ROWS``);
-    None for every other plan."""
-    if plan.device != "cpu" or plan.precision != "float32" or plan.kernel != "aten" or plan.fused is None:
+    """The fused kernels whose packed panels replace the float weights in a float32 plan on
+    ``panels`` (where the fused kernels build and have panels: ``fused.PANEL_ROWS``); None for
+    every other plan, and where they fail to build after all (the layers then run ``aten``)."""
+    if plan.device != "cpu" or plan.precision != "float32" or plan.kernel != "panels" or plan.fused is None:
         return None
     return load_fused(plan.fused) if panel_rows_limit(plan.fused) > 0 else None
 
@@ -559,8 +572,8 @@ def release_float_weights(model: nn.Module, keep: Iterable[torch.Tensor] = (), p
     ``PackedInt8`` kernel, and its float weight and bias are replaced by placeholders on the meta
     device (same shapes, no memory); every float32 layer on ``onednn`` likewise gets a
     ``PackedOneDNN`` kernel and a placeholder weight (its small bias stays, the kernel adds it),
-    and with ``panels`` (the fused kernels: ``panel_kernels``) every float32 layer on ``aten`` whose
-    weight they can pack a ``PackedPanels`` kernel.
+    and with ``panels`` (the fused kernels: ``panel_kernels``) every float32 layer on ``aten`` (a
+    plan on ``panels``) whose weight they can pack a ``PackedPanels`` kernel.
     So the model holds one copy of those weights (the packed one) instead of two. (bfloat16
     keeps both: its oneDNN path runs on AVX-512 CPUs only, where this was not measured.)
     Weights in ``keep`` (read elsewhere: the output projection, which the model runs through

@@ -228,7 +228,7 @@ def _panel_stack(
     of a pass in one call: at one row the Python between the kernels was a sixth of a decoder
     step) and the norms' epsilon, where they can run: post-LN layers (each given as its linear
     layers and norms, in the kernels' order) whose products all run on these kernels' packed
-    panels (``PackedPanels``: float32 weights released on an Intel plan, ``checkpoint.load``) and
+    panels (``PackedPanels``: float32 weights released on a plan on ``panels``, ``checkpoint.load``) and
     whose norms share one epsilon; else None."""
     if kernels is None:
         return None

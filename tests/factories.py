@@ -44,16 +44,18 @@ def tiny_config(vocab: int, **overrides: object) -> ModelConfig:
     return ModelConfig(**base)  # type: ignore[arg-type]
 
 
-# This CPU as if it were not Intel's: float32 runs oneDNN (packed) wherever it can, so the packed
-# paths are tested on Intel CPUs too, where the plan gives every float32 layer to MKL.
+# This CPU as if it were not Intel's: without the fused kernels (``fused=False``: off, or no
+# compiler) float32 runs oneDNN (packed) wherever it can, so the oneDNN paths are tested on every
+# CPU, although plans with a compiler put float32 on the fused kernels' panels.
 PACKED_FEATURES = replace(kernels.detected(), intel=False)
 
 
 def packed_plan(precision: str) -> KernelPlan:
-    """This CPU's kernel plan for ``precision`` (float32: as ``PACKED_FEATURES``); the test is
-    skipped where it cannot run or runs ``F.linear`` (nothing packed, nothing released)."""
+    """This CPU's kernel plan for ``precision`` without the fused kernels (float32: as
+    ``PACKED_FEATURES``); the test is skipped where it cannot run or runs ``F.linear`` (nothing
+    packed, nothing released)."""
     try:
-        plan = kernels.choose("cpu", precision, PACKED_FEATURES)
+        plan = kernels.choose("cpu", precision, PACKED_FEATURES, fused=False)
     except UnsupportedPrecision:
         pytest.skip(f"{precision} does not run on this CPU")
     if plan.kernel == "aten":

@@ -94,8 +94,9 @@ def test_inference_reads_the_embeddings_once_and_in_float16_where_exact(
     torch.manual_seed(3)
     model = Transformer(tiny_config(tiny_tokenizer.vocab_size, share_embeddings=tied)).eval()
     checkpoint.save(tmp_path / "c", model, tiny_tokenizer, {"source_lang": "de", "target_lang": "en"}, dtype=stored)
-    full = checkpoint.load(tmp_path / "c", precision=precision, features=PACKED_FEATURES, keep_float_weights=True).model
-    lean = checkpoint.load(tmp_path / "c", precision=precision, features=PACKED_FEATURES).model
+    same = {"precision": precision, "features": PACKED_FEATURES, "fused": False}
+    full = checkpoint.load(tmp_path / "c", **same, keep_float_weights=True).model
+    lean = checkpoint.load(tmp_path / "c", **same).model
 
     assert kernels.is_packed(lean.kernel)
     assert (lean.output is None) == tied and (tied or lean.output_matrix().is_meta)

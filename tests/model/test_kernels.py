@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import checkpoint, kernels
+from model import checkpoint, fused, kernels
 from model.kernels import AVX2_ONLY, AVX512_BF16, BASELINE, CpuFeatures, UnsupportedPrecision
 from model.linear import Linear, linear
+from tests.conftest import require
 from tests.factories import PACKED_FEATURES, assert_steps_match, packed_plan
 
 HERE = kernels.detected()
@@ -62,11 +63,36 @@ def test_features_come_from_cpuinfo_flags_and_respect_isa_caps(tmp_path: Path) -
     ],
 )
 def test_plan_follows_the_capability_table(cpu: str, precision: str, kernel: str, warns: bool) -> None:
-    plan = kernels.choose("cpu", precision, SIMULATED[cpu], engines=("fbgemm", "qnnpack"))
+    """Without the fused kernels (off, or no compiler: ``test_float32_runs_on_panels_...``)."""
+    plan = kernels.choose("cpu", precision, SIMULATED[cpu], engines=("fbgemm", "qnnpack"), fused=False)
     if not torch.backends.mkldnn.is_available() and kernel == "onednn":
         kernel = "aten"
     assert plan.kernel == kernel and plan.precision == precision
     assert (plan.warning is not None) == warns
+
+
+@pytest.mark.parametrize("cpu", ["avx512-bf16", "avx2", "intel-avx512-bf16", "intel-avx2", "baseline"])
+def test_float32_runs_on_panels_wherever_the_fused_kernels_can_build(cpu: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a C++ compiler, float32 on any CPU with AVX2 and FMA, Intel's or not, runs its layers
+    on the fused kernels' panels (``panels``); without one (``CXX`` not found, nothing built yet)
+    the plan falls back to the table's (MKL on Intel, oneDNN elsewhere); the other precisions and
+    a CPU without AVX2 never take panels."""
+    features = SIMULATED[cpu]
+    variant = kernels.fused_variant(features)
+    if variant == "baseline":
+        assert kernels.choose("cpu", "float32", features, fused=True).kernel == "aten"
+        return
+    require(fused.buildable(variant), "no C++ compiler: the fused kernels cannot build here")
+    plan = kernels.choose("cpu", "float32", features, fused=True)
+    assert plan.kernel == "panels" and plan.step == "panels" and plan.fused == variant
+    assert plan.describe().startswith("float32 on cpu via panels, fused step kernels")
+    assert kernels.choose("cpu", "int8", features, engines=("fbgemm",), fused=True).kernel == "fbgemm-int8"
+    assert kernels.choose("cpu", "float32", features, fused=False).kernel != "panels"
+    monkeypatch.setattr(fused, "_loaded", {})  # nothing built in this process, and no compiler found
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert not fused.buildable(variant)
+    fallback = "aten" if features.intel or not torch.backends.mkldnn.is_available() else "onednn"
+    assert kernels.choose("cpu", "float32", features, fused=True).kernel == fallback
 
 
 @pytest.mark.parametrize(
@@ -83,7 +109,7 @@ def test_decoder_step_layers_run_mkl_on_intel_and_wx_on_other_avx2_cpus(cpu: str
     """float32's decoder step layers take MKL's sgemm where it was measured faster than oneDNN:
     ``aten`` (``F.linear``) on Intel CPUs, ``wx`` (W·xᵀ) on other AVX2 CPUs without AVX-512;
     elsewhere, and at every other precision, the plan's kernel."""
-    plan = kernels.choose("cpu", "float32", SIMULATED[cpu])
+    plan = kernels.choose("cpu", "float32", SIMULATED[cpu], fused=False)
     if not torch.backends.mkldnn.is_available():
         step = "aten"
     assert plan.step == step
@@ -204,7 +230,7 @@ def test_float_kernels_match_f_linear(cpu: str, precision: str, shape: tuple[int
 def test_a_released_float32_layer_matches_f_linear(shape: tuple[int, ...], relu: bool, bias: bool) -> None:
     """Once its float weight is released, a float32 oneDNN layer (``PackedOneDNN``) computes
     F.linear at every row count, one row included, bound or not, and refuses another dtype."""
-    plan = kernels.choose("cpu", "float32", PACKED_FEATURES)
+    plan = kernels.choose("cpu", "float32", PACKED_FEATURES, fused=False)
     if plan.kernel != "onednn":
         pytest.skip(f"float32 runs {plan.kernel} on this CPU: nothing is packed, nothing released")
     torch.manual_seed(0)
@@ -266,7 +292,7 @@ def test_more_rows_than_onednn_takes_run_in_chunks_of_known_shapes(monkeypatch: 
     ONEDNN_MAX_ROWS rows and one bucket for the rest, bound or not, released or not: oneDNN only
     ever sees bucket sizes up to the limit (so those varying shapes build no new primitive), and
     the result is F.linear's."""
-    plan = kernels.choose("cpu", "float32", PACKED_FEATURES)
+    plan = kernels.choose("cpu", "float32", PACKED_FEATURES, fused=False)
     if plan.kernel != "onednn":
         pytest.skip(f"float32 runs {plan.kernel} on this CPU, not oneDNN")
     torch.manual_seed(0)
@@ -299,29 +325,34 @@ def test_more_rows_than_onednn_takes_run_in_chunks_of_known_shapes(monkeypatch: 
         assert layer(torch.randn(0, 48)).shape == (0, 70)
 
 
+@pytest.mark.parametrize("fused_step", [True, False])
 @pytest.mark.parametrize("cpu", ["not-intel", "avx2", "intel"])
-def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(tiny_weights_dir: Path, cpu: str) -> None:
-    """Where float32 runs on oneDNN, a loaded checkpoint's linear layers keep one copy of their
-    weights: the packed copy only (float weights released, biases and the embeddings the output
-    projection shares kept), except the decoder step's layers where they run ``wx``, which keep
-    their float weights and no packed copy; on Intel CPUs, where the plan runs ``aten`` (MKL),
-    every layer whose weight the fused kernels' panels take keeps only its panels
-    (``PackedPanels``), the others and the output projection their float weights. Each translates
-    as the same model with its float weights; ``keep_float_weights`` keeps them. On this CPU said
-    not to be Intel's, on a simulated AVX2 one and on this one said to be Intel's."""
+def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(
+    tiny_weights_dir: Path, cpu: str, fused_step: bool
+) -> None:
+    """A loaded checkpoint's linear layers keep one copy of their weights. With the fused kernels
+    (the plan on ``panels``), every layer whose weight their panels take keeps only its panels
+    (``PackedPanels``), the others and the output projection their float weights. Without them,
+    where float32 runs on oneDNN: the packed copy only (float weights released, biases and the
+    embeddings the output projection shares kept), except the decoder step's layers where they run
+    ``wx``, which keep their float weights and no packed copy; on Intel CPUs (MKL, ``aten``) the
+    float weights. Each translates as the same model with its float weights;
+    ``keep_float_weights`` keeps them. On this CPU said not to be Intel's, on a simulated AVX2 one
+    and on this one said to be Intel's."""
     from model.decoding import DecodingOptions
     from model.translator import Translator
 
     folder = tiny_weights_dir / "de-en"
     features = {"not-intel": replace(HERE, intel=False), "avx2": AVX2_ONLY & HERE, "intel": replace(HERE, intel=True)}
-    ckpt = checkpoint.load(folder, "cpu", "float32", features[cpu])
-    kept = checkpoint.load(folder, "cpu", "float32", features[cpu], keep_float_weights=True)
+    ckpt = checkpoint.load(folder, "cpu", "float32", features[cpu], fused=fused_step)
+    kept = checkpoint.load(folder, "cpu", "float32", features[cpu], keep_float_weights=True, fused=fused_step)
     layers = [m for m in ckpt.model.modules() if isinstance(m, Linear)]
     assert not any(p.is_meta for p in kept.model.parameters())
-    if ckpt.plan.kernel != "onednn":  # Intel's, or no oneDNN: MKL, or the fused kernels' panels
-        assert ckpt.plan.kernel == "aten" and ckpt.plan.step == "aten"
-        assert features[cpu].intel or not torch.backends.mkldnn.is_available()
+    if ckpt.plan.kernel in ("panels", "aten"):  # the fused kernels' panels, or MKL: Intel's, or no oneDNN
+        assert ckpt.plan.step == ckpt.plan.kernel
+        assert ckpt.plan.kernel == "panels" or features[cpu].intel or not torch.backends.mkldnn.is_available()
         panels = kernels.panel_kernels(ckpt.plan)
+        assert (panels is not None) == (ckpt.plan.kernel == "panels") == fused_step
         packed = [m for m in layers if isinstance(m.kernel, kernels.PackedPanels)]
         width = 0 if panels is None else panels.panel_width()
         assert [m for m in layers if width and m.out_features % width == 0] == packed
@@ -364,7 +395,7 @@ def test_the_decoder_step_on_mkl_gives_the_networks_logits(tiny_weights_dir: Pat
     modules' reference path), step by step."""
     folder = tiny_weights_dir / "de-en"
     features = AVX2_ONLY & HERE if step == "wx" else replace(HERE, intel=True)
-    ckpt = checkpoint.load(folder, "cpu", "float32", features)
+    ckpt = checkpoint.load(folder, "cpu", "float32", features, fused=False)  # (with them: panels)
     reference = checkpoint.load(folder, "cpu", "float32", keep_float_weights=True).model
     if ckpt.plan.step != step:
         pytest.skip(f"float32 runs {ckpt.plan.describe()} here")
@@ -397,7 +428,7 @@ def test_int8_kernel_is_close_to_float32(cpu: str) -> None:
 
 @pytest.mark.parametrize("precision", [p for p in ("float32", "int8") if _runnable(p)])
 def test_packed_copy_follows_in_place_updates_and_is_freed(precision: str) -> None:
-    plan = kernels.choose("cpu", precision)
+    plan = kernels.choose("cpu", precision, fused=False)  # (float32 with the fused kernels: F.linear until released)
     cache = kernels._int8_packed if precision == "int8" else kernels._onednn_packed
     torch.manual_seed(1)
     layer = kernels.install(Linear(16, 8, bias=False), plan)
