@@ -384,7 +384,8 @@ class DecodeSession:
         vocab = self._own_vocab()
         assert vocab is not None or self.shortlist is None, "the session's shortlist columns were taken over"
         step_in = (rows.tokens.reshape(-1), cache, rows.memory_mask, positions, self_mask)
-        logits = decoder(*step_in, output=None if vocab is None else vocab.rows)
+        logits = decoder(*step_in, output=None if vocab is None else vocab.rows,
+                         output_panels=None if vocab is None else vocab.panels)  # fmt: skip
         if logits.dtype != torch.float32:
             logits = logits.float()
         beams = rows.beams

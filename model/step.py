@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -160,19 +161,26 @@ class _FewRows:
 
         return run
 
-    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def product(
+        self, x: torch.Tensor, weight: torch.Tensor, panels: Callable[[ModuleType], torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """x (R, K) wᵀ for a float weight (N, K) that is a new tensor at every call (a shortlist's
-        rows), so checked here with attribute reads only; ``F.linear`` where it does not fit."""
+        rows), so checked here with attribute reads only: on the kernels' ``linear`` up to
+        ``limit`` rows, then up to ``panel_limit`` on the panels ``panels(kernels)`` gives for it
+        (``Vocabulary.panels``: packed once per change of the columns); ``F.linear`` where
+        neither fits."""
         kernels = self.kernels
         if (
             kernels is not None
-            and x.shape[0] <= self.limit
+            and x.shape[0] <= max(self.limit, self.panel_limit if panels is not None else 0)
             and weight.dtype == torch.float32
             and weight.shape[1] % 16 == 0
             and weight.is_contiguous()
             and x.is_contiguous()
         ):
-            return kernels.linear(x, weight, _NO_BIAS, False)
+            if x.shape[0] <= self.limit or panels is None:
+                return kernels.linear(x, weight, _NO_BIAS, False)
+            return kernels.panel_product(x, panels(kernels), weight.shape[0])
         return F.linear(x, weight)
 
 
@@ -345,10 +353,12 @@ class DecoderStep:
         positions: torch.Tensor | None = None,
         self_mask: torch.Tensor | None = None,
         output: torch.Tensor | None = None,
+        output_panels: Callable[[ModuleType], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One incremental step. tokens: (R,) the last emitted ids, R = B * W (W hypotheses
         per sentence); memory_mask (B, 1, 1, S) -> logits (R, V), or (R, C) over the rows
-        ``output`` (C, D) of the output matrix when given (a shortlist's, ``model.shortlist``).
+        ``output`` (C, D) of the output matrix when given (a shortlist's, ``model.shortlist``;
+        ``output_panels``: the same rows packed for the fused kernels, ``Vocabulary.panels``).
 
         By default every row is at position ``cache.length`` and sees every cached key. Rows
         that joined a running batch later pass their own ``positions`` (R,) and a ``self_mask``
@@ -373,7 +383,7 @@ class DecoderStep:
             x = self.final_norm(x)
         if output is None:
             return self.output(x, False)
-        return self.few_rows.product(x, output)
+        return self.few_rows.product(x, output, output_panels)
 
     def _layers(
         self, x: torch.Tensor, cache: KVCache, memory_mask: torch.Tensor, self_mask: torch.Tensor | None

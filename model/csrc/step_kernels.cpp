@@ -875,7 +875,7 @@ constexpr int kPanelRows = kVec == 16 ? 8 : 6;
 // other's FMA latency, so k is split into kPhases interleaved sums (added in a fixed order at the end).
 template <int Rows>
 inline void panel_block(const float* x, int64_t k, const float* panel, const float* bias, bool relu, float* out,
-                        int64_t n) {
+                        int64_t n, int64_t valid) {
   constexpr int kPhases = Rows == 1 ? 4 : Rows == 2 ? 2 : 1;
   vec acc[kPhases][Rows][2];
   for (int f = 0; f < kPhases; f++) {
@@ -914,17 +914,24 @@ inline void panel_block(const float* x, int64_t k, const float* panel, const flo
       o0 = o0 < 0 ? vec{} : o0;
       o1 = o1 < 0 ? vec{} : o1;
     }
-    std::memcpy(out + r * n, &o0, sizeof o0);
-    std::memcpy(out + r * n + kVec, &o1, sizeof o1);
+    if (valid == kPanel) {
+      std::memcpy(out + r * n, &o0, sizeof o0);
+      std::memcpy(out + r * n + kVec, &o1, sizeof o1);
+    } else {  // the last panel of a product that keeps fewer columns (panel_product)
+      float lanes[kPanel];
+      std::memcpy(lanes, &o0, sizeof o0);
+      std::memcpy(lanes + kVec, &o1, sizeof o1);
+      std::memcpy(out + r * n, lanes, valid * sizeof(float));
+    }
   }
 }
 
 template <int Rows>
 inline void panel_rest(const float* x, int64_t k, const float* panel, const float* bias, bool relu, float* out,
-                       int64_t n, int64_t rest) {
+                       int64_t n, int64_t valid, int64_t rest) {
   if constexpr (Rows > 0) {
-    if (rest == Rows) return panel_block<Rows>(x, k, panel, bias, relu, out, n);
-    panel_rest<Rows - 1>(x, k, panel, bias, relu, out, n, rest);
+    if (rest == Rows) return panel_block<Rows>(x, k, panel, bias, relu, out, n, valid);
+    panel_rest<Rows - 1>(x, k, panel, bias, relu, out, n, valid, rest);
   }
 }
 
@@ -940,14 +947,17 @@ torch::Tensor pack_panels(const torch::Tensor& w) {
 }
 
 // x (R, K) times the weight packed by pack_panels (N / width, K, width), plus bias (N; an empty
-// tensor: none), ReLU'd when `relu` -> (R, N).
-torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& bias,
-                           bool relu) {
+// tensor: none), ReLU'd when `relu` -> (R, n): the first n = N columns, or fewer (`columns`).
+torch::Tensor panel_columns(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& bias,
+                            bool relu, int64_t columns) {
   check_rows(x, "x");
   TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kFloat32 && panels.dim() == 3 &&
                   panels.is_contiguous() && panels.size(2) == kPanel && panels.size(1) == x.size(1),
               "panels must be pack_panels' (N / ", kPanel, ", K, ", kPanel, ") of a weight with x's K");
-  const int64_t rows = x.size(0), k = x.size(1), count = panels.size(0), n = count * kPanel;
+  const int64_t rows = x.size(0), k = x.size(1), n = columns;
+  TORCH_CHECK(n > (panels.size(0) - 1) * kPanel && n <= panels.size(0) * kPanel,
+              "panel_product: ", n, " columns of ", panels.size(0), " panels of ", kPanel);
+  const int64_t count = panels.size(0);
   auto out = torch::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
@@ -958,14 +968,28 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
     for (int64_t p = begin; p < end; p++) {
       const float* panel = wp + p * k * kPanel;
       const float* b = bp == nullptr ? nullptr : bp + p * kPanel;
+      const int64_t valid = std::min(kPanel, n - p * kPanel);
       int64_t r = 0;
       for (; r + kPanelRows <= rows; r += kPanelRows) {
-        panel_block<kPanelRows>(xp + r * k, k, panel, b, relu, op + r * n + p * kPanel, n);
+        panel_block<kPanelRows>(xp + r * k, k, panel, b, relu, op + r * n + p * kPanel, n, valid);
       }
-      if (r < rows) panel_rest<kPanelRows - 1>(xp + r * k, k, panel, b, relu, op + r * n + p * kPanel, n, rows - r);
+      if (r < rows) {
+        panel_rest<kPanelRows - 1>(xp + r * k, k, panel, b, relu, op + r * n + p * kPanel, n, valid, rows - r);
+      }
     }
   });
   return out;
+}
+
+torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& bias,
+                           bool relu) {
+  return panel_columns(x, panels, bias, relu, panels.size(0) * kPanel);
+}
+
+// x (R, K) times the first `columns` rows of a weight packed by pack_panels (the rest of its last
+// panel padding): a shortlist's logits over its columns (model/shortlist.py Vocabulary.panels).
+torch::Tensor panel_product(const torch::Tensor& x, const torch::Tensor& panels, int64_t columns) {
+  return panel_columns(x, panels, torch::empty({0}, x.options()), false, columns);
 }
 
 // One decoder step through every layer of a post-LN decoder whose products all run on packed
@@ -1035,6 +1059,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_width", &panel_width, "weight rows a panel of pack_panels holds");
   m.def("pack_panels", &pack_panels, "a weight (N, K) as panel_linear reads it");
   m.def("panel_linear", &panel_linear, unlocked, "a linear layer on packed panels: x w^T + bias, optionally ReLU'd");
+  m.def("panel_product", &panel_product, unlocked, "x w^T on packed panels, the first `columns` columns only");
   m.def("decoder_layers", &decoder_layers, unlocked, "a post-LN decoder step through every layer on packed panels");
   m.def("encoder_layers", &encoder_layers, unlocked, "a post-LN encoder through every layer on packed panels");
   m.def("embed", &embed, "a decoder step's or the encoder's input: position + scale * token embedding");

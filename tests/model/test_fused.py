@@ -133,6 +133,17 @@ def test_panel_products_are_torchs_to_float_rounding(variant: str) -> None:
     assert got[0].isnan().all() and not got[1:].isnan().any()  # ReLU keeps NaN, as torch's
     with pytest.raises(RuntimeError, match="multiple of"):
         kernels_module.pack_panels(torch.randn(width + 1, 8))
+    # a product that keeps only the first columns (a shortlist's, its last panel padded): the
+    # same numbers as the whole product's first columns, for every count the panels can hold
+    w = torch.randn(3 * width, 64)
+    panels, x = kernels_module.pack_panels(w), torch.randn(13, 64)
+    whole = kernels_module.panel_linear(x, panels, torch.empty(0), False)
+    for columns in (2 * width + 1, 3 * width - 1, 3 * width):
+        got = kernels_module.panel_product(x, panels, columns)
+        assert got.shape == (13, columns) and got.is_contiguous() and torch.equal(got, whole[:, :columns])
+    for columns in (2 * width, 3 * width + 1):  # a whole panel more than needed, or too few panels
+        with pytest.raises(RuntimeError, match="columns of 3 panels"):
+            kernels_module.panel_product(x, panels, columns)
     with pytest.raises(RuntimeError, match="panels must be"):
         other_k = kernels_module.pack_panels(torch.randn(width, 8))
         kernels_module.panel_linear(torch.randn(2, 16), other_k, torch.empty(0), False)

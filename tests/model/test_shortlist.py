@@ -131,6 +131,35 @@ def test_the_kernels_join_columns_as_the_tensor_operations_do(matrix_dtype: torc
     assert torch.equal(full.counts, counts) and torch.equal(full.column, column)  # a refused join changes nothing
 
 
+def test_the_columns_panels_are_packed_again_only_when_the_columns_change() -> None:
+    """``Vocabulary.panels``: the rows packed for the fused kernels' ``panel_product``, whose logits
+    are the rows' (to float rounding) over exactly the columns; packed again after a join that
+    adds columns, a remake or a clear, and not when sentences leave or join with no new column."""
+    variant = kernels.fused_variant(kernels.detected())
+    module = fused.load(variant)
+    require(module is not None, f"the fused step kernels ({variant}) do not build here: see the log")
+    table = Shortlist.from_table(torch.arange(300).view(100, 3) % 100, torch.tensor([0, 1, 2, 3]))
+    vocab = Vocabulary(table, torch.randn(100, 32), torch.float32)
+    x = torch.randn(9, 32)
+
+    def logits() -> torch.Tensor:
+        got = module.panel_product(x, vocab.panels(module), vocab.size)
+        torch.testing.assert_close(got, x @ vocab.rows.t(), atol=3e-5, rtol=1e-5)
+        return vocab.panels(module)
+
+    first = logits()
+    assert vocab.panels(module) is first  # (no change: the same packed tensor)
+    vocab.join([torch.tensor([10, 11, 12]), torch.tensor([40])], module)
+    joined = logits()
+    assert joined is not first
+    vocab.join([torch.tensor([10, 40])], module)  # no new column
+    assert logits() is joined
+    vocab.leave([1], [0, 2], torch.tensor([0, 2]))  # (its column is another's too: no remake)
+    assert vocab.remade == 1 and logits() is joined
+    vocab.clear()
+    assert logits() is not joined and vocab.size == 4
+
+
 @pytest.mark.parametrize("beam_size", [1, 4])
 def test_a_shortlist_of_every_piece_decodes_exactly_as_the_whole_vocabulary(beam_size: int) -> None:
     """The shortlist's path (the output matrix's rows gathered, the beams given the columns'
