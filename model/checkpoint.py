@@ -221,6 +221,9 @@ def load(
     load_weights(model, path)
     model.to(device=device, dtype=plan.dtype).eval()
     kernels.install(model, plan, model.step_linears())
+    if plan.kernel == "panels" and model.fused_step is None:  # a compiler, but the kernels did not build (logged)
+        plan = kernels.choose(device, precision, features, fused=False)
+        kernels.install(model, plan, model.step_linears())
     # the packed copies are all the layers read: one copy of their weights, not two
     panels = kernels.panel_kernels(plan) if model.fused_step is not None else None
     if (plan.kernel in ("fbgemm-int8", "onednn") or panels is not None) and not keep_float_weights:

@@ -236,3 +236,24 @@ def test_a_many_to_many_card_may_recommend_a_length_penalty_per_direction(tmp_pa
         "beam_size": 5, "length_penalty": 0.6, "max_length_a": 1.5, "max_length_b": 10
     }  # fmt: skip
     assert checkpoint.recommended_decoding({}, "cs-en") == {}
+
+
+def test_a_plan_on_panels_whose_kernels_fail_to_build_is_made_again_without_them(
+    tmp_path: Path, tiny_weights_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiler that is there but fails (``CXX=false``, an empty extension cache): float32 is
+    planned on panels, the load finds the kernels did not build (logged), plans again as without
+    them (oneDNN, or MKL on Intel CPUs) and translates; no layer is left on panels."""
+    require(kernels.detected().avx2 and kernels.detected().fma, "no panels without AVX2 and FMA")
+    false = shutil.which("false")
+    require(false is not None, "no `false` program")
+    monkeypatch.setattr(fused, "_loaded", {})  # nothing built in this process
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    monkeypatch.setenv("CXX", str(false))
+    assert kernels.choose("cpu", "float32").kernel == "panels"
+    ckpt = checkpoint.load(tiny_weights_dir / "de-en")
+    assert ckpt.plan == kernels.choose("cpu", "float32", fused=False) and ckpt.plan.kernel in ("onednn", "aten")
+    assert ckpt.model.fused_step is None and not fused.buildable(kernels.fused_variant(kernels.detected()))
+    assert not any(isinstance(getattr(m, "kernel", None), kernels.PackedPanels) for m in ckpt.model.modules())
+    out = Translator(ckpt.model, ckpt.tokenizer).decode_ids([[5, 6, 7]], DecodingOptions(beam_size=2))
+    assert out[0][0].ids
