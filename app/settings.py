@@ -48,10 +48,10 @@ class Settings(BaseSettings):
     fused_step: bool = Field(
         True,
         description="float32 and int8 on the CPU: run the decoder step's attention, layer norms and beam bookkeeping, "
-        "and (float32) its matrix products of up to 4 rows and, on weights packed into panels, of up to 256 "
-        "(Intel CPUs: every float32 layer but the output projection keeps only its panels), on the fused C++ "
-        "kernels (model/fused.py; built once per CPU variant with the system's C++ compiler, ~20-40 s, cached): "
-        "about half the time a sentence one at a time; false, or no compiler: torch's tensor operations",
+        "and (float32) every layer but the output projection, and a shortlist's logits, on weights packed into "
+        "panels (a pass's layers in one call), on the fused C++ kernels (model/fused.py; built once per CPU "
+        "variant with the system's C++ compiler, ~20-60 s, cached): about half the time a sentence one at a time; "
+        "false, or no compiler: torch's tensor operations, float32 layers on oneDNN (MKL on Intel CPUs)",
     )
     host: str = Field("0.0.0.0", description="address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
