@@ -124,10 +124,10 @@ def step_rows(runnable: dict[str, kernels.LinearKernel], row_counts: list[int], 
 
             row[f"{name}_ms"] = round(per_call_us(step, steps) / 1000, 3)
         plan = kernels.choose("cpu", "float32")
-        # (the output projection runs ``aten`` on a plan on panels: ``kernels.release_float_weights``)
-        named = {"onednn": packed_onednn, "panels": runnable.get("panels", kernels.aten)}
-        output = kernels.aten if plan.kernel == "panels" else named.get(plan.kernel, kernels.kernel_for(plan))
-        planned = [named.get(plan.step, kernels.kernel_for(plan, plan.step)), output]
+        # each of the plan's kernels as timed above (the output projection of a plan on panels runs
+        # ``aten``: ``kernels.release_float_weights`` keeps its float rows)
+        output = "aten" if plan.kernel == "panels" else plan.kernel
+        planned = [runnable[plan.step], runnable[output]]
 
         def planned_step(
             inputs: dict[int, torch.Tensor] = inputs, planned: list[kernels.LinearKernel] = planned

@@ -212,11 +212,10 @@ def choose(
     """
     use = fused_enabled() if fused is None else fused
     on_cpu = torch.device(device).type == "cpu"
-    f = features if features is not None or not on_cpu else detected()
-    variant = fused_variant(f) if use and f is not None else None
+    variant = fused_variant(features if features is not None else detected()) if use and on_cpu else None
     panels = variant is not None and precision == "float32" and panel_rows_limit(variant) > 0 and buildable(variant)
-    plan = _choose(device, precision, f, engines, panels)
-    if variant is not None and plan.device == "cpu" and plan.dtype == torch.float32:
+    plan = _choose(device, precision, features, engines, panels)
+    if variant is not None and plan.dtype == torch.float32:
         plan = replace(plan, fused=variant)
     return plan
 

@@ -283,8 +283,7 @@ class Vocabulary:
         self._ids = torch.empty(0, dtype=torch.long, device=self.device)
         self._rows = torch.empty(0, self.matrix.shape[1], dtype=self.dtype, device=self.device)
         self.size = 0
-        self._columns_changed += 1
-        self._append(ids)
+        self._append(ids)  # (bumps ``_columns_changed``)
         self._set_bias(self._own(self.sentences))
         self.remade += 1
 

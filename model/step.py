@@ -169,17 +169,13 @@ class _FewRows:
         ``limit`` rows, then up to ``panel_limit`` on the panels ``panels(kernels)`` gives for it
         (``Vocabulary.panels``: packed once per change of the columns); ``F.linear`` where
         neither fits."""
-        kernels = self.kernels
-        if (
-            kernels is not None
-            and x.shape[0] <= max(self.limit, self.panel_limit if panels is not None else 0)
-            and weight.dtype == torch.float32
-            and weight.shape[1] % 16 == 0
-            and weight.is_contiguous()
-            and x.is_contiguous()
-        ):
-            if x.shape[0] <= self.limit or panels is None:
-                return kernels.linear(x, weight, _NO_BIAS, False)
+        kernels, rows = self.kernels, x.shape[0]
+        readable = weight.dtype == torch.float32 and weight.shape[1] % 16 == 0 and weight.is_contiguous()
+        if kernels is None or not (readable and x.is_contiguous()):
+            return F.linear(x, weight)
+        if rows <= self.limit:
+            return kernels.linear(x, weight, _NO_BIAS, False)
+        if panels is not None and rows <= self.panel_limit:
             return kernels.panel_product(x, panels(kernels), weight.shape[0])
         return F.linear(x, weight)
 
