@@ -24,9 +24,12 @@ that tie the halves together (self rows = sentences x width) are checked there, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
+
+from model.allocator import zeroed_pages
 
 # (src_k, src_v, rows, dst_k, dst_v, first): the fused kernels' ``gather_rows_`` (see ``SelfAttentionCache.reorder``)
 Gather = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -34,6 +37,15 @@ _ALL_POSITIONS = torch.empty(0, dtype=torch.long)  # ``gather_rows_``'s ``first`
 
 SPARE_SLOTS = 16  # positions a new beam-search buffer has beyond what its reorder needs
 FIRST_SLOTS = 16  # positions laid out at first; a full layout is spread to twice its slots
+
+
+def _buffer(like: torch.Tensor, numel: int) -> torch.Tensor:
+    """A flat buffer of ``numel`` zeros in ``like``'s dtype and device: on the CPU, large ones
+    on pages of their own that go back to the OS when the cache drops them
+    (``allocator.zeroed_pages``), not left behind as free heap when the next one is bigger."""
+    if like.device.type == "cpu":
+        return zeroed_pages(numel, like.dtype)
+    return like.new_zeros(numel)
 
 
 class Spare:
@@ -48,7 +60,7 @@ class Spare:
         extra`` when the spare is smaller), in ``like``'s dtype and device."""
         buffer, self._buffer = self._buffer, None
         if buffer is None or buffer.numel() < needed:
-            buffer = like.new_empty(needed + extra)
+            buffer = _buffer(like, needed + extra)
         return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
@@ -82,7 +94,7 @@ class SelfAttentionCache:
         # not B * width * capacity for every layer up front.
         slots = min(capacity, FIRST_SLOTS)
         size = rows * heads * slots * head_dim
-        self._k, self._v = like.new_empty(size), like.new_empty(size)  # flat
+        self._k, self._v = _buffer(like, size), _buffer(like, size)  # flat
         self._spare = spare if spare is not None else Spare()
         self.heads, self.head_dim, self.capacity = heads, head_dim, capacity
         self.rows, self.slots, self.length = rows, slots, 0
@@ -184,10 +196,11 @@ class SelfAttentionCache:
             self.capacity = capacity
         slots = new + room if room is not None else self._grown(new, new + 1)
         needed = n * self.heads * slots * self.head_dim
-        # Beam search compacts to one more slot every step (room 1): a new buffer gets SPARE_SLOTS
-        # more, so it reallocates rarely. A grown layout (greedy, sentences joining) has its room
-        # in its slots already: nothing more.
-        extra = n * self.heads * SPARE_SLOTS * self.head_dim if room == 1 else 0
+        # Beam search compacts to one more slot every step (room 1), and a greedy batch that
+        # sentences join lays out twice its positions at each join: either needs a little more
+        # than the spare holds at almost every step. A new buffer gets SPARE_SLOTS more, so it is
+        # reallocated (and its fresh pages faulted in) every few steps, not at every one.
+        extra = n * self.heads * SPARE_SLOTS * self.head_dim
         # keys gather into the spare, and the keys' buffer is the spare the values gather into
         into_k = self._spare.take(self._k, needed, extra)
         self._spare.give(self._k)
@@ -243,7 +256,7 @@ class CrossAttentionCache:
             size = (max(rows, 2 * have_rows), heads, max(columns, have_columns), head_dim)
             for name in ("_k", "_v"):
                 old = getattr(self, name)
-                grown = old.new_zeros(size)
+                grown = _buffer(old, math.prod(size)).view(size)
                 grown[: self.sentences, :, : old.shape[2]] = old[: self.sentences]
                 setattr(self, name, grown)
         self._k[self.sentences : rows, :, :s] = new_k

@@ -8,7 +8,14 @@ import resource
 import pytest
 import torch
 
-from model.allocator import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, release_free_memory, tune_malloc
+from model.allocator import (
+    M_MMAP_THRESHOLD,
+    M_TRIM_THRESHOLD,
+    OWN_PAGES_MIN_BYTES,
+    release_free_memory,
+    tune_malloc,
+    zeroed_pages,
+)
 
 
 def faults_for_fresh_tensors(n: int = 20, mib: int = 8) -> int:
@@ -198,3 +205,21 @@ def test_mkl_keeps_no_buffer_pool_in_a_process_that_imports_the_project_first(pa
     assert probe("project") == "(False, 0)"
     on, held = ast.literal_eval(probe("torch"))
     assert on and held > 2**20, (on, held)
+
+
+def test_zeroed_pages_are_zeros_of_their_own_returned_when_freed() -> None:
+    """Large buffers (the KV cache's) come from an anonymous mapping: zeros, writable, and the
+    RSS falls back as soon as the tensor is gone; small ones are ordinary heap tensors."""
+    small = zeroed_pages(1000, torch.float32)
+    assert small.dtype == torch.float32 and small.shape == (1000,) and not small.any()
+    base = rss_mib()
+    big = zeroed_pages(16 * 2**20 // 4, torch.float32)  # 16 MiB
+    assert not big.any() and big.dtype == torch.float32 and big.numel() == 4 * 2**20
+    big.fill_(2.0)
+    assert rss_mib() - base > 14, (base, rss_mib())
+    assert big.sum().item() == 8 * 2**20
+    held = rss_mib()
+    del big
+    assert rss_mib() < held - 15, (base, held, rss_mib())
+    half = zeroed_pages(OWN_PAGES_MIN_BYTES // 2, torch.float16)  # 1 MiB of float16: its own pages
+    assert half.dtype == torch.float16 and half.numel() == OWN_PAGES_MIN_BYTES // 2 and not half.any()
