@@ -198,9 +198,10 @@ class SelfAttentionCache:
         needed = n * self.heads * slots * self.head_dim
         # Beam search compacts to one more slot every step (room 1), and a greedy batch that
         # sentences join lays out twice its positions at each join: either needs a little more
-        # than the spare holds at almost every step. A new buffer gets SPARE_SLOTS more, so it is
-        # reallocated (and its fresh pages faulted in) every few steps, not at every one.
-        extra = n * self.heads * SPARE_SLOTS * self.head_dim
+        # than the spare holds at almost every step. A new buffer for them gets SPARE_SLOTS more,
+        # so it is reallocated (and its fresh pages faulted in) every few steps, not at every one.
+        # A grown layout without joiners (a greedy batch on its own) has its room in its slots.
+        extra = n * self.heads * SPARE_SLOTS * self.head_dim if room == 1 or add else 0
         # keys gather into the spare, and the keys' buffer is the spare the values gather into
         into_k = self._spare.take(self._k, needed, extra)
         self._spare.give(self._k)
