@@ -72,7 +72,7 @@ def zeroed_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
     ``torch.zeros``, from the heap)."""
     import torch  # only here: this module is imported before torch on purpose
 
-    size = numel * torch.empty(0, dtype=dtype).element_size()
+    size = numel * dtype.itemsize
     if size < OWN_PAGES_MIN_BYTES:
         return torch.zeros(numel, dtype=dtype)
     pages = mmap.mmap(-1, size)  # anonymous, private, zero-filled; unmapped when the tensor lets it go

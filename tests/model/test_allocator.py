@@ -16,6 +16,7 @@ from model.allocator import (
     tune_malloc,
     zeroed_pages,
 )
+from tests.helpers import rss_mib
 
 
 def faults_for_fresh_tensors(n: int = 20, mib: int = 8) -> int:
@@ -60,11 +61,6 @@ def _check_tuned_malloc_reuses_heap_pages() -> None:
     # settling (12,288 vs 41,025); without the tuning every round faults on every tensor.
     tuned = min(faults_for_fresh_tensors() for _ in range(3))
     assert tuned < untuned / 4, (tuned, untuned)
-
-
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
 def test_release_free_memory_hands_a_freed_burst_back_to_the_os() -> None:

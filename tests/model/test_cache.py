@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from model.cache import FIRST_SLOTS, CrossAttentionCache, KVCache, LayerCache, SelfAttentionCache, Spare
+from tests.helpers import rss_mib
 
 H, DH = 2, 3
 
@@ -161,20 +162,15 @@ def test_large_buffers_go_back_to_the_os_when_the_cache_drops_them() -> None:
     process's RSS at once, without a ``malloc_trim`` (a heap would keep them resident)."""
     heads, dh, rows = 64, 64, 8
     memory = torch.zeros(rows, heads, 4, dh)
-    rss = _rss_mib()
+    rss = rss_mib()
     cache = KVCache([LayerCache((memory, memory), capacity=64, spare=Spare()) for _ in range(3)])
     width = torch.arange(rows)
     for _ in range(40):  # beam search: one more slot every step
         for layer in cache.layers:
             layer.append_self(torch.ones(rows, heads, 1, dh), torch.ones(rows, heads, 1, dh))
         cache.reorder(width, room=1, width=1)
-    held = _rss_mib()
+    held = rss_mib()
     assert held - rss > 6 * 4, (rss, held)  # 6 buffers (and the spare) of ~6 MiB each
     assert torch.equal(cache.layers[0].self_attention.k, torch.ones(rows, heads, 40, dh))
     del cache, layer
-    assert _rss_mib() < held - 6 * 4, (rss, held, _rss_mib())
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
+    assert rss_mib() < held - 6 * 4, (rss, held, rss_mib())
