@@ -170,8 +170,13 @@ class Vocabulary:
         self.size = 0
         self._set_bias(torch.empty(0, 0, device=self.device))
         self._clean = False  # cleared since the last join (``clear`` has nothing to do)
-        self._columns_changed = 0  # bumped whenever the columns change (``panels`` are packed again)
-        self._panels: tuple[int, torch.Tensor] | None = None  # (the count it was packed at, panels)
+        # ``panels``: the columns' rows packed for the fused kernels, in a buffer with room to grow;
+        # the first ``_packed`` columns are packed (columns only ever join at the end, so a join
+        # packs its new ones alone), and ``packed`` counts every column packed (tests read it)
+        self._panel_buffer: torch.Tensor | None = None  # (panels, D, width)
+        self._panel_view: torch.Tensor | None = None  # its first ceil(C / width) panels
+        self._packed = 0
+        self.packed = 0
         self._remake()
 
     @property
@@ -195,17 +200,47 @@ class Vocabulary:
         self._bias = bias
         self._views = (self._ids[: self.size], self._rows[: self.size], bias[:, None, :])
 
+    @torch.inference_mode()
     def panels(self, kernels: ModuleType) -> torch.Tensor:
-        """``rows`` packed into the fused kernels' panels (``pack_panels``: (ceil(C / w), D, w),
-        the last panel padded with zeros), for ``panel_product`` over the C columns: on an AMD
+        """``rows`` packed into the fused kernels' panels (``pack_panels``' layout: (ceil(C / w), D,
+        w), the last panel padded with zeros), for ``panel_product`` over the C columns: on an AMD
         EPYC Zen 3 the logits of 64 rows over 3,000 columns take 0.7 ms there against MKL's
-        1.3 (docs/benchmarks.md "The panels on a real AVX2 CPU"). Packed once per change of the
-        columns (a join that adds some, a remake), not when sentences leave, float32 rows only."""
-        if self._panels is None or self._panels[0] != self._columns_changed:
-            rows, width = self.rows, kernels.panel_width()
-            padded = F.pad(rows, (0, 0, 0, -rows.shape[0] % width)) if rows.shape[0] % width else rows.contiguous()
-            self._panels = (self._columns_changed, kernels.pack_panels(padded))
-        return self._panels[1]
+        1.3 (docs/benchmarks.md "The panels on a real AVX2 CPU"). Columns only ever join at the
+        end, so only those not packed yet are (from the start of the panel the first of them
+        falls in): a continuously fed batch, whose every admission adds a few columns, packed all
+        of them again each time (docs/benchmarks.md "Admissions without padding"); a remake packs
+        everything. float32 rows only. The returned view is valid until the columns next change."""
+        width = kernels.panel_width()
+        count = -(-self.size // width)
+        buffer = self._panel_buffer
+        if buffer is None or buffer.shape[0] < count or buffer.shape[2] != width:
+            self._grow_panels(count, width)
+            buffer = self._panel_buffer
+            assert buffer is not None
+        if self._packed < self.size:
+            first = self._packed // width  # (a partly packed panel is packed again whole)
+            chunk = self._rows[first * width : self.size]
+            short = (count - first) * width - chunk.shape[0]
+            if short:
+                chunk = F.pad(chunk, (0, 0, 0, short))
+            buffer[first:count].copy_(chunk.view(count - first, width, -1).transpose(1, 2))
+            self.packed += self.size - first * width
+            self._packed = self.size
+            self._panel_view = None
+        if self._panel_view is None or self._panel_view.shape[0] != count:
+            self._panel_view = buffer[:count]
+        return self._panel_view
+
+    def _grow_panels(self, count: int, width: int) -> None:
+        """A panel buffer for at least ``count`` panels (a quarter more, at most the vocabulary's),
+        keeping the whole panels packed so far."""
+        most = -(-self.shortlist.vocab_size // width)
+        grown = torch.empty(min(most, max(count, count + count // 4)), self.matrix.shape[1], width, device=self.device)
+        old = self._panel_buffer
+        whole = self._packed // width if old is not None and old.shape[2] == width else 0
+        if whole:
+            grown[:whole] = old[:whole]
+        self._panel_buffer, self._panel_view, self._packed = grown, None, whole * width
 
     @property
     def in_use(self) -> bool:
@@ -231,9 +266,12 @@ class Vocabulary:
         if self.size >= base and torch.equal(self._ids[:base], self.shortlist.always):
             self.column[self._ids[base : self.size]] = -1
             self.size = base
-            self._columns_changed += 1
+            self._packed = min(self._packed, base)
             if self._ids.numel() > 2 * base:  # grown by large batches: hold no more than twice ``always``
                 self._ids, self._rows = self._ids[:base].clone(), self._rows[:base].clone()
+                if self._panel_buffer is not None:  # (and the panels that hold them)
+                    width = self._panel_buffer.shape[2]
+                    self._panel_buffer, self._panel_view = self._panel_buffer[: -(-base // width)].clone(), None
             self._set_bias(self._own([]))
         else:
             self._remake()
@@ -247,9 +285,7 @@ class Vocabulary:
         if kernels is not None and m.is_cpu and m.is_contiguous() and self.dtype == torch.float32 and m.dtype in _WIDE:
             # one call instead of ~10 tensor operations (~0.15 ms of a lone sentence's admission)
             self._reserve(self.size + sum(c.numel() for c in candidates))
-            size = kernels.join_columns(self.counts, self.column, self._ids, self._rows, self.size, m, candidates)
-            self._columns_changed += size != self.size
-            self.size = size
+            self.size = kernels.join_columns(self.counts, self.column, self._ids, self._rows, self.size, m, candidates)
         else:
             added = torch.cat(candidates)
             self.counts.index_add_(0, added, torch.ones_like(added, dtype=torch.int32))
@@ -282,8 +318,8 @@ class Vocabulary:
         self.column = torch.full_like(self.counts, -1, dtype=torch.long)  # each id's column (-1: none)
         self._ids = torch.empty(0, dtype=torch.long, device=self.device)
         self._rows = torch.empty(0, self.matrix.shape[1], dtype=self.dtype, device=self.device)
-        self.size = 0
-        self._append(ids)  # (bumps ``_columns_changed``)
+        self.size = self._packed = 0
+        self._append(ids)
         self._set_bias(self._own(self.sentences))
         self.remade += 1
 
@@ -295,7 +331,6 @@ class Vocabulary:
         self._rows[self.size : size] = self.matrix[ids]
         self.column[ids] = torch.arange(self.size, size, device=self.device)
         self.size = size
-        self._columns_changed += 1
 
     def _reserve(self, size: int) -> None:
         """Room for ``size`` columns (at most the vocabulary's) in the buffers: they grow by doubling."""

@@ -131,33 +131,51 @@ def test_the_kernels_join_columns_as_the_tensor_operations_do(matrix_dtype: torc
     assert torch.equal(full.counts, counts) and torch.equal(full.column, column)  # a refused join changes nothing
 
 
-def test_the_columns_panels_are_packed_again_only_when_the_columns_change() -> None:
+def test_the_columns_panels_pack_only_the_columns_that_joined() -> None:
     """``Vocabulary.panels``: the rows packed for the fused kernels' ``panel_product``, whose logits
-    are the rows' (to float rounding) over exactly the columns; packed again after a join that
-    adds columns, a remake or a clear, and not when sentences leave or join with no new column."""
+    are the rows' (to float rounding) over exactly the columns. A join packs its new columns
+    alone (from the start of the panel the first of them falls in), a join with no new column,
+    a leave and a clear pack nothing, a remake packs every column; the buffer grows keeping what
+    it holds."""
     variant = kernels.fused_variant(kernels.detected())
     module = fused.load(variant)
     require(module is not None, f"the fused step kernels ({variant}) do not build here: see the log")
-    table = Shortlist.from_table(torch.arange(300).view(100, 3) % 100, torch.tensor([0, 1, 2, 3]))
-    vocab = Vocabulary(table, torch.randn(100, 32), torch.float32)
+    width = module.panel_width()
+    table = Shortlist.from_table(torch.arange(600).view(200, 3) % 200, torch.tensor([0, 1, 2, 3]))
+    vocab = Vocabulary(table, torch.randn(200, 32), torch.float32)
     x = torch.randn(9, 32)
 
-    def logits() -> torch.Tensor:
+    def logits() -> None:
         got = module.panel_product(x, vocab.panels(module), vocab.size)
         torch.testing.assert_close(got, x @ vocab.rows.t(), atol=3e-5, rtol=1e-5)
-        return vocab.panels(module)
 
-    first = logits()
-    assert vocab.panels(module) is first  # (no change: the same packed tensor)
+    logits()
+    assert vocab.packed == 4  # ``always``'s columns
+    before, size = vocab.packed, vocab.size
     vocab.join([torch.tensor([10, 11, 12]), torch.tensor([40])], module)
-    joined = logits()
-    assert joined is not first
+    logits()
+    assert vocab.size == size + 4 and vocab.packed - before == vocab.size - size // width * width
+    before = vocab.packed
     vocab.join([torch.tensor([10, 40])], module)  # no new column
-    assert logits() is joined
+    logits()
     vocab.leave([1], [0, 2], torch.tensor([0, 2]))  # (its column is another's too: no remake)
-    assert vocab.remade == 1 and logits() is joined
+    logits()
+    assert vocab.remade == 1 and vocab.packed == before
+    for start in range(50, 190, 7):  # columns past the buffer's room: it grows, keeping its panels
+        size = vocab.size
+        vocab.join([torch.arange(start, start + 7)], module)
+        before = vocab.packed
+        logits()
+        assert vocab.packed - before == vocab.size - size // width * width
     vocab.clear()
-    assert logits() is not joined and vocab.size == 4
+    before = vocab.packed
+    logits()
+    assert vocab.size == 4 and vocab.packed == before  # ``always``'s columns were packed already
+    vocab.join([torch.arange(20, 60)], module)
+    vocab.leave([0], [], torch.tensor([], dtype=torch.long))  # the columns are many more than the union: remade
+    before = vocab.packed
+    logits()
+    assert vocab.remade == 2 and vocab.packed - before == vocab.size
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
