@@ -395,6 +395,45 @@ torch::Tensor encoder_attend(const torch::Tensor& qkv, const torch::Tensor& mask
   return out;
 }
 
+// The encoder's self-attention over sentences laid end to end, without padding. qkv (T, 3D):
+// each token's query, key and value, heads side by side; offsets (B + 1) int64: sentence i is
+// rows [offsets[i], offsets[i + 1]). -> (T, D), heads merged: encoder_attend's numbers for the
+// same sentences padded (a padded key's weight is exactly 0 there).
+torch::Tensor encoder_attend_ragged(const torch::Tensor& qkv, const torch::Tensor& offsets, int64_t heads,
+                                    double scale) {
+  check_rows(qkv, "qkv");
+  const int64_t rows = qkv.size(0), d = qkv.size(1) / 3, dh = heads > 0 ? d / heads : 0;
+  TORCH_CHECK(heads > 0 && qkv.size(1) == 3 * d && dh * heads == d && dh > 0,
+              "qkv must be (rows, 3 x heads x head_dim)");
+  TORCH_CHECK(is_vector(offsets, torch::kInt64) && offsets.numel() >= 1, "offsets must be a contiguous int64 vector");
+  const int64_t b = offsets.numel() - 1;
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[b] == rows, "offsets must run from 0 to qkv's ", rows, " rows");
+  std::vector<int64_t> first(rows), stop(rows);  // each row's sentence: its first row, the row after its last
+  int64_t longest = 0;
+  for (int64_t i = 0; i < b; i++) {
+    TORCH_CHECK(off[i + 1] >= off[i] && off[i + 1] <= rows, "offsets must not decrease");
+    std::fill(first.begin() + off[i], first.begin() + off[i + 1], off[i]);
+    std::fill(stop.begin() + off[i], stop.begin() + off[i + 1], off[i + 1]);
+    longest = std::max(longest, off[i + 1] - off[i]);
+  }
+  auto out = torch::empty({rows, d}, qkv.options());
+  if (rows == 0) return out;
+  const float* x = qkv.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kGrainWork / (2 * std::max<int64_t>(1, rows / std::max<int64_t>(1, b)) * dh));
+  at::parallel_for(0, rows * heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(longest);
+    for (int64_t i = begin; i < end; i++) {
+      const int64_t row = i / heads, head = i % heads, start = first[row];
+      const float* keys = x + start * 3 * d + d + head * dh;
+      attend_one(x + row * 3 * d + head * dh, keys, 3 * d, keys + d, 3 * d, stop[row] - start, dh, (float)scale,
+                 nullptr, p.data(), op + row * d + head * dh);
+    }
+  });
+  return out;
+}
+
 // The KV cache's reorder (``SelfAttentionCache.reorder``): dst_k[i] = src_k[rows[i]] for each
 // i < rows.numel(), the rows after those zeroed (sentences joining), then the same for v, in
 // that order (dst_v may be the storage src_k was read from). src (R, H, L, Dh) and dst (N, H, L,
@@ -1026,17 +1065,31 @@ torch::Tensor decoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& 
 // one call. x (B*S, D); params: per layer 12 tensors in the order of kEncoderLayerParams; mask
 // (B, S) bool as encoder_attend's. -> x, written in place (the joins' add_norm_), (B*S, D)
 constexpr int64_t kEncoderLayerParams = 12;  // qkv, out, fc1, fc2 (panels, bias); 2 norms (weight, bias)
-torch::Tensor encoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& params, const torch::Tensor& mask,
-                             int64_t heads, double scale, double eps) {
+template <typename Attend>
+torch::Tensor encoder_stack(torch::Tensor x, const std::vector<torch::Tensor>& params, double eps, Attend attend) {
   TORCH_CHECK(params.size() % kEncoderLayerParams == 0, "encoder_layers: ", kEncoderLayerParams,
               " parameters per layer");
   for (size_t i = 0; i < params.size(); i += kEncoderLayerParams) {
     const torch::Tensor* p = params.data() + i;
     const auto qkv = panel_linear(x, p[0], p[1], false);
-    x = add_norm_(x, panel_linear(encoder_attend(qkv, mask, heads, scale), p[2], p[3], false), p[8], p[9], eps);
+    x = add_norm_(x, panel_linear(attend(qkv), p[2], p[3], false), p[8], p[9], eps);
     x = add_norm_(x, panel_linear(panel_linear(x, p[4], p[5], true), p[6], p[7], false), p[10], p[11], eps);
   }
   return x;
+}
+
+torch::Tensor encoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& params, const torch::Tensor& mask,
+                             int64_t heads, double scale, double eps) {
+  return encoder_stack(x, params, eps, [&](const torch::Tensor& qkv) { return encoder_attend(qkv, mask, heads, scale); });
+}
+
+// The same over sentences laid end to end without padding (x (T, D); offsets as
+// encoder_attend_ragged's): the layers' products and joins are per row, so only the attention
+// needs to know where a sentence ends. -> x, written in place, (T, D)
+torch::Tensor encoder_layers_ragged(torch::Tensor x, const std::vector<torch::Tensor>& params,
+                                    const torch::Tensor& offsets, int64_t heads, double scale, double eps) {
+  return encoder_stack(x, params, eps,
+                       [&](const torch::Tensor& qkv) { return encoder_attend_ragged(qkv, offsets, heads, scale); });
 }
 
 // The longest calls (a whole pass, or a product of many rows: milliseconds in a batch) let go of
@@ -1062,5 +1115,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_product", &panel_product, unlocked, "x w^T on packed panels, the first `columns` columns only");
   m.def("decoder_layers", &decoder_layers, unlocked, "a post-LN decoder step through every layer on packed panels");
   m.def("encoder_layers", &encoder_layers, unlocked, "a post-LN encoder through every layer on packed panels");
+  m.def("encoder_attend_ragged", &encoder_attend_ragged, "the encoder's self-attention over unpadded sentences");
+  m.def("encoder_layers_ragged", &encoder_layers_ragged, unlocked,
+        "a post-LN encoder over unpadded sentences through every layer on packed panels");
   m.def("embed", &embed, "a decoder step's or the encoder's input: position + scale * token embedding");
 }

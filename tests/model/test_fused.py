@@ -404,8 +404,10 @@ def test_passes_on_panels_alone_run_every_layer_in_one_call(variant: str) -> Non
     as ``checkpoint.load`` does on Intel CPUs), the encoder and the decoder step run all their
     layers in one call of the kernels (``encoder_layers``, ``decoder_layers``): the same kernels
     in the same order, so the same numbers, bit for bit, as layer by layer, greedy and beam
-    search, sentences joining a running batch included. A pre-LN model and layers that kept
-    their float weights go layer by layer; a wrong parameter count is refused."""
+    search, sentences joining a running batch included; the encoder's tokens there without
+    their padding (``encoder_layers_ragged``), so its memory is the padded layers' at float
+    rounding and zero at padded positions. A pre-LN model and layers that kept their float
+    weights go layer by layer; a wrong parameter count is refused."""
     kernels_module = fused.load(built(variant))
     assert kernels_module is not None
     src, later = pad(sources(3, seed=21), 0), pad(sources(2, seed=22), 0)
@@ -420,7 +422,19 @@ def test_passes_on_panels_alone_run_every_layer_in_one_call(variant: str) -> Non
             memory = encoder(src)[0]
         finally:
             encoder.stack, step.stack = stacks
-        return {tag: (h.ids, h.score) for tag, h in done.items()} | {-1: (memory.flatten().tolist(), 0.0)}
+        hypotheses = {tag: (h.ids, h.score) for tag, h in done.items()}
+        return hypotheses, memory
+
+    def same(
+        stacked: tuple[dict[int, tuple[list[int], float]], torch.Tensor],
+        layered: tuple[dict[int, tuple[list[int], float]], torch.Tensor],
+    ) -> None:
+        real = (src != 0)[..., None].expand_as(stacked[1])
+        torch.testing.assert_close(stacked[1][real], layered[1][real], atol=1e-5, rtol=1e-5)
+        assert not stacked[1][~real].any()  # padded positions: zeros
+        assert stacked[0].keys() == layered[0].keys()
+        for tag, (ids, score) in stacked[0].items():
+            assert ids == layered[0][tag][0] and score == pytest.approx(layered[0][tag][1], abs=1e-4)
 
     plan = replace(kernels.choose("cpu", "float32", HERE), kernel="aten", step_kernel=None, fused=variant)
     for norm_first in (False, True):
@@ -434,15 +448,62 @@ def test_passes_on_panels_alone_run_every_layer_in_one_call(variant: str) -> Non
             for beam in (1, 3):
                 options = DecodingOptions(beam_size=beam, max_length_b=6)
                 stacked = decode(model, options, True)
-                assert stacked == decode(model, options, False)
-                for tag, (ids, score) in decode(kept, options, True).items():
-                    if tag >= 0:
-                        assert ids == stacked[tag][0] and score == pytest.approx(stacked[tag][1], abs=1e-4)
+                if norm_first:  # (no stack: the same path twice)
+                    assert stacked[0] == decode(model, options, False)[0]
+                else:
+                    same(stacked, decode(model, options, False))
+                for tag, (ids, score) in decode(kept, options, True)[0].items():
+                    assert ids == stacked[0][tag][0] and score == pytest.approx(stacked[0][tag][1], abs=1e-4)
     x, mask = torch.zeros(1, 32), torch.empty(0, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="parameters per layer"):
         kernels_module.encoder_layers(x, [x] * 5, mask, 4, 1.0, 1e-5)
     with pytest.raises(RuntimeError, match="one cache of each kind per layer"):
         kernels_module.decoder_layers(x, [x] * 17, [x], [x], [0], mask, [x], [x], x, 1.0, 1e-5)
+
+
+@pytest.mark.parametrize("variant", [v for v in RUNNABLE if fused.panel_rows_limit(v) > 0])
+def test_the_encoder_on_panels_alone_computes_no_padding(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the encoder runs in one call of the kernels, the sentences' tokens go through it end
+    to end without their padding (``encoder_layers_ragged``): its memory is the padded layers'
+    at float rounding, zero at padded positions, and a sentence's memory does not depend on how
+    much padding its batch gave it (bit for bit); groups of at most ``ENCODER_CHUNK_TOKENS``
+    tokens, whole sentences, give the one-pass memory. The attention kernel alone gives the
+    padded kernel's numbers exactly, and refuses offsets that do not cover its rows."""
+    from model import step as step_module
+
+    kernels_module = fused.load(built(variant))
+    assert kernels_module is not None
+    plan = replace(kernels.choose("cpu", "float32", HERE), kernel="aten", step_kernel=None, fused=variant)
+    model = kernels.install(make_model(seed=9), plan)
+    assert isinstance(model, Transformer)
+    kernels.release_float_weights(model, keep=[model.output_matrix()], panels=kernels_module)
+    rows = sources(6, seed=23, min_len=2, max_len=20)
+    src = pad(rows, 0)
+    with torch.inference_mode():
+        encoder = bound_passes(model)[0]
+        assert encoder.stack is not None
+        memory, mask = encoder(src)
+        real = mask[:, 0, 0, :, None].expand_as(memory)
+        stack, encoder.stack = encoder.stack, None
+        padded = encoder(src)[0]  # layer by layer, padding included
+        encoder.stack = stack
+        torch.testing.assert_close(memory[real], padded[real], atol=1e-5, rtol=1e-5)
+        assert not memory[~real].any()
+        wider = encoder(torch.cat([src, torch.zeros(6, 9, dtype=src.dtype)], dim=1))[0]
+        assert torch.equal(wider[:, : src.shape[1]], memory) and not wider[:, src.shape[1] :].any()
+        monkeypatch.setattr(step_module, "ENCODER_CHUNK_TOKENS", 25)  # groups of whole sentences
+        torch.testing.assert_close(encoder(src)[0], memory, atol=1e-5, rtol=1e-5)
+    h, dh = 4, 16
+    b, s = src.shape
+    qkv = torch.randn(b * s, 3 * h * dh)
+    flat = (src != 0).reshape(-1)
+    offsets = torch.tensor([0, *torch.tensor([len(r) for r in rows]).cumsum(0).tolist()])
+    want = kernels_module.encoder_attend(qkv, src != 0, h, dh**-0.5)[flat]
+    assert torch.equal(kernels_module.encoder_attend_ragged(qkv[flat], offsets, h, dh**-0.5), want)
+    with pytest.raises(RuntimeError, match="offsets must run"):
+        kernels_module.encoder_attend_ragged(qkv[flat], offsets[:-1], h, 1.0)
+    with pytest.raises(RuntimeError, match="must not decrease"):
+        kernels_module.encoder_attend_ragged(qkv[flat], torch.tensor([0, 40, 2, int(flat.sum())]), h, 1.0)
 
 
 def test_the_long_kernels_let_other_python_threads_run() -> None:
