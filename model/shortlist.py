@@ -238,7 +238,7 @@ class Vocabulary:
         grown = torch.empty(min(most, max(count, count + count // 4)), self.matrix.shape[1], width, device=self.device)
         old = self._panel_buffer
         whole = self._packed // width if old is not None and old.shape[2] == width else 0
-        if whole:
+        if old is not None and whole:
             grown[:whole] = old[:whole]
         self._panel_buffer, self._panel_view, self._packed = grown, None, whole * width
 
