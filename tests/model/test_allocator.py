@@ -16,7 +16,7 @@ from model.allocator import (
     tune_malloc,
     zeroed_pages,
 )
-from tests.helpers import rss_mib
+from tests.helpers import rss_mib, status_mib
 
 
 def faults_for_fresh_tensors(n: int = 20, mib: int = 8) -> int:
@@ -204,15 +204,17 @@ def test_mkl_keeps_no_buffer_pool_in_a_process_that_imports_the_project_first(pa
 
 
 def test_zeroed_pages_are_zeros_of_their_own_returned_when_freed() -> None:
-    """Large buffers (the KV cache's) come from an anonymous mapping: zeros, writable, and the
-    RSS falls back as soon as the tensor is gone; small ones are ordinary heap tensors."""
+    """Large buffers (the KV cache's) come from a private anonymous mapping (not shared memory,
+    whose page faults cost more): zeros, writable, and the RSS falls back as soon as the tensor
+    is gone; small ones are ordinary heap tensors."""
     small = zeroed_pages(1000, torch.float32)
     assert small.dtype == torch.float32 and small.shape == (1000,) and not small.any()
-    base = rss_mib()
+    base, shared = rss_mib(), status_mib("RssShmem")
     big = zeroed_pages(16 * 2**20 // 4, torch.float32)  # 16 MiB
     assert not big.any() and big.dtype == torch.float32 and big.numel() == 4 * 2**20
     big.fill_(2.0)
     assert rss_mib() - base > 14, (base, rss_mib())
+    assert status_mib("RssShmem") - shared < 1, (shared, status_mib("RssShmem"))
     assert big.sum().item() == 8 * 2**20
     held = rss_mib()
     del big
