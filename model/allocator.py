@@ -11,7 +11,6 @@ process keeps its peak heap resident instead of returning it to the OS between b
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import mmap
@@ -67,12 +66,12 @@ def release_free_memory() -> bool:
 #
 # The mapping is private: Python's ``mmap.mmap(-1, size)`` maps shared anonymous memory, which the
 # kernel backs with a shmem file, so each page fault allocated a shmem folio and each unmap closed
-# the file; ~5% of a greedy batch's time [AMD EPYC Zen 3] went there. Private pages, huge
-# (2 MiB) where the kernel's transparent huge pages allow it (madvise mode), fault in cheaper:
-# batches of 64 greedy +4-6%, beam 4 level (docs/benchmarks.md "Admissions without padding").
+# the file; ~5% of a greedy batch's time [AMD EPYC Zen 3] went there. Private pages fault in
+# cheaper: batches of 64 greedy +4%, beam 4 level. (Huge pages on top, MADV_HUGEPAGE, were a
+# little faster again but made whole 2 MiB pages resident where a buffer's spare positions
+# were not touched yet: int8 batch peaks +6-17 MiB; docs/benchmarks.md "Admissions without padding".)
 OWN_PAGES_MIN_BYTES = 1 << 20
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-_HUGE_BYTES = 2 << 20
 
 
 def zeroed_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -86,9 +85,6 @@ def zeroed_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype)
     # anonymous, zero-filled; unmapped when the tensor lets it go (no flags off POSIX: Windows' mmap)
     pages = mmap.mmap(-1, size, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, size)
-    if size >= _HUGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):  # (kernels without transparent huge pages)
-            pages.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(pages, dtype=dtype, count=numel)
 
 
