@@ -69,7 +69,7 @@ def release_free_memory() -> bool:
 # the file; ~5% of a greedy batch's time [AMD EPYC Zen 3] went there. Private pages fault in
 # cheaper: batches of 64 greedy +4%, beam 4 level. (Huge pages on top, MADV_HUGEPAGE, were a
 # little faster again but made whole 2 MiB pages resident where a buffer's spare positions
-# were not touched yet: int8 batch peaks +6-17 MiB; docs/benchmarks.md "Admissions without padding".)
+# were not touched yet: int8 batch peaks +6-18 MiB; docs/benchmarks.md "Admissions without padding".)
 OWN_PAGES_MIN_BYTES = 1 << 20
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
