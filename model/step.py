@@ -540,15 +540,11 @@ class EncoderPass:
         is 39% padding (sorted batches of 64: 8%) that the products would compute for nothing
         (docs/benchmarks.md "Admissions without padding"). Groups of whole sentences of at most
         ``ENCODER_CHUNK_TOKENS`` tokens, as the padded path's."""
-        fused, embedding = self.fused, self.model.src_embed
+        fused = self.fused
         assert fused is not None and self.stack is not None
         b, s = src.shape
-        if s > embedding.max_positions:
-            raise ValueError(f"sequence of {s} positions exceeds max_positions {embedding.max_positions}")
-        table = embedding.learned.weight if embedding.learned is not None else embedding.table
-        assert table is not None
         tokens = mask.reshape(-1).nonzero()[:, 0]  # (T,) the tokens' places in (B, S) order
-        x = fused.embed(src.reshape(-1)[tokens], embedding.tokens.weight, table[tokens % s], embedding.scale)  # (T, D)
+        x = self._fused_embed(src, tokens)  # (T, D)
         lengths = mask.reshape(b, s).sum(1).tolist()
         params, eps = self.stack
         memory = x.new_zeros(b * s, x.shape[1])
@@ -586,8 +582,9 @@ class EncoderPass:
             x = self.final_norm(x)
         return x.view(b, s, d)
 
-    def _fused_embed(self, src: torch.Tensor) -> torch.Tensor:
-        """src (B, S) ids -> the embedded positions (B*S, D), in one call of the fused kernels
+    def _fused_embed(self, src: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """src (B, S) ids -> the embedded positions (B*S, D), or only those at ``tokens`` (T,)
+        (places in (B, S) order) -> (T, D), in one call of the fused kernels
         (``Embedding.forward``'s sum: scaled token embedding plus position)."""
         embedding = self.model.src_embed
         s = src.shape[1]
@@ -595,7 +592,10 @@ class EncoderPass:
             raise ValueError(f"sequence of {s} positions exceeds max_positions {embedding.max_positions}")
         table = embedding.learned.weight if embedding.learned is not None else embedding.table
         assert table is not None and self.fused is not None
-        return self.fused.embed(src.reshape(-1), embedding.tokens.weight, table[:s], embedding.scale)
+        ids, positions = (
+            (src.reshape(-1), table[:s]) if tokens is None else (src.reshape(-1)[tokens], table[tokens % s])
+        )
+        return self.fused.embed(ids, embedding.tokens.weight, positions, embedding.scale)
 
     def _fused_layers(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x (B*S, D) through every layer, attention and post-LN joins on the fused kernels;
