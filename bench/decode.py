@@ -103,8 +103,8 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def _status_kib(field: str) -> int | None:
-    """A ``Vm*`` field of /proc/self/status in KiB (None off Linux)."""
+def status_kib(field: str) -> int | None:
+    """A memory field of /proc/self/status (``VmRSS``, ``VmHWM``, ``RssShmem``, ...) in KiB (None off Linux)."""
     try:
         text = Path("/proc/self/status").read_text()
     except OSError:
@@ -135,7 +135,7 @@ class PeakMemory:
     def __init__(self, device: str, tracks_torch: bool) -> None:
         self.cuda = device == "cuda"
         self.tracks_torch = tracks_torch
-        self.baseline = torch.cuda.memory_allocated() if self.cuda else _status_kib("VmRSS")
+        self.baseline = torch.cuda.memory_allocated() if self.cuda else status_kib("VmRSS")
 
     def start(self) -> None:
         if self.cuda:
@@ -148,7 +148,7 @@ class PeakMemory:
         if self.cuda:
             torch.cuda.synchronize()
             return (torch.cuda.max_memory_allocated() - (self.baseline or 0)) / 2**20 if self.tracks_torch else None
-        peak = _status_kib("VmHWM")
+        peak = status_kib("VmHWM")
         return None if peak is None or self.baseline is None else (peak - self.baseline) / 1024
 
 

@@ -14,12 +14,3 @@ def rss_mib() -> float:
     """This process's resident set size now, in MiB (Linux)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
-
-
-def status_mib(field: str) -> float:
-    """A memory field of /proc/self/status (``RssAnon``, ``RssShmem``, ...) now, in MiB (Linux)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) / 1024
-    raise KeyError(field)
