@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from app.logs import configure_logging
 from app.settings import Settings
+from model.allocator import MallocUnavailable, exec_with_malloc
 
 DISTRIBUTION = "transformer-translator"
 
@@ -172,6 +173,11 @@ def serve(argv: list[str]) -> None:
 
     settings = serve_settings(argv)
     configure_logging(settings.log_level)
+    if sys.argv[1:] == ["serve", *argv]:  # this process's own command line: it can be run again
+        try:
+            exec_with_malloc(settings.malloc)  # (returns where the allocator is the one wanted)
+        except MallocUnavailable as err:
+            raise SystemExit(f"translator serve: {err}") from err
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -55,6 +55,7 @@ from app.schemas import (
 from app.service import ItemResult, TranslationService
 from app.settings import Settings
 from app.state import AppState
+from model.allocator import active_malloc
 from model.decoding import DecodingOptions
 
 STATIC = Path(__file__).parent / "static"
@@ -484,6 +485,7 @@ async def info(state: StateDep, request: Request) -> InfoResponse:
     return InfoResponse(
         version=request.app.version,
         ready=state.ready.is_set(),
+        malloc=active_malloc(),
         directions=[DirectionInfo(**svc.info()) for svc in state.services.values()],
         limits=Limits(
             max_text_chars=s.max_text_chars,

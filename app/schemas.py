@@ -229,6 +229,7 @@ class Batching(BaseModel):
 class InfoResponse(BaseModel):
     version: str
     ready: bool
+    malloc: str = Field(description="the allocator serving the process's memory: mimalloc or glibc (TRANSLATOR_MALLOC)")
     directions: list[DirectionInfo]
     limits: Limits
     batching: Batching

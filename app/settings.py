@@ -53,6 +53,12 @@ class Settings(BaseSettings):
         "variant with the system's C++ compiler, ~20-60 s, cached): about half the time a sentence one at a time; "
         "false, or no compiler: torch's tensor operations, float32 layers on oneDNN (MKL on Intel CPUs)",
     )
+    malloc: Literal["auto", "mimalloc", "glibc"] = Field(
+        "auto",
+        description="memory allocator (translator serve re-executes itself on it): auto: mimalloc where installed "
+        "(Debian/Ubuntu: libmimalloc2.0; lower batch memory, model/allocator.py), else glibc's malloc, tuned; "
+        "mimalloc: refuse to start without it",
+    )
     host: str = Field("0.0.0.0", description="address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="level of the JSON logs")

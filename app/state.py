@@ -23,7 +23,7 @@ from app.ratelimit import RateLimiter
 from app.service import LoadedModel, TranslationService, assign_directions, discover, kernel_plan
 from app.settings import Settings
 from app.suggestions import SuggestionStore
-from model.allocator import bound_onednn_cache, mkl_buffer_pool, tune_malloc
+from model.allocator import active_malloc, bound_onednn_cache, mkl_buffer_pool, release_free_memory, tune_malloc
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ class AppState:
         try:
             if self.settings.threads:
                 torch.set_num_threads(self.settings.threads)
-            tune_malloc()
+            tune_malloc()  # (glibc's malloc only)
+            log.info("memory allocator: %s (TRANSLATOR_MALLOC=%s)", active_malloc(), self.settings.malloc)
             bound_onednn_cache()
             pool = mkl_buffer_pool()
             if pool is not None and pool[0]:
@@ -90,6 +91,9 @@ class AppState:
                     self.services[(source, target)] = service
                     log.info("serving %s from %s: %s", service.direction, path, loaded.plan.describe())
             self.detector = Detector([source for source, _ in self.services])
+            # what loading freed (float weights that packed copies replaced, warm-up batches) goes back
+            # to the OS before the first request; on the model thread, whose heap mimalloc collects
+            self.model_thread.run(release_free_memory)
             self.ready.set()
         except Exception as err:
             self.load_error = type(err).__name__  # the message (with paths) goes to the log only

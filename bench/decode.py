@@ -3,11 +3,11 @@
     python -m bench.decode --device cpu|cuda --beam-size N [--limit N]
         [--systems ours,ours-full,ctranslate2,ctranslate2-int8,marian,naive] [--weights weights/de-en]
         [--threads 2] [--batch-size 64] [--naive-limit 100] [--dtype float32] [--repeat 3]
-        [--rounds 1] [--no-isolate]
+        [--rounds 1] [--no-isolate] [--malloc auto|mimalloc|glibc] [--peer-malloc glibc|auto|mimalloc]
 
 Translates test_2016_flickr de->en and prints one JSON line per system: system, device,
-beam_size, sentences, seconds, sentences_per_s, tokens_per_s, peak_mem_mb, bleu (plus
-batch_size, threads, dtype for context).
+beam_size, sentences, seconds, sentences_per_s, tokens_per_s, peak_mem_mb, setup_mem_mb, bleu
+(plus batch_size, threads, dtype for context).
 
 Systems (all load the same checkpoint folder):
 - ``ours``: ``model.decoding`` (batched, KV cache, vectorized beam), scoring the checkpoint's
@@ -35,9 +35,12 @@ and Marian (``generate``'s default ``early_stopping=False``) end a sentence once
 finished hypotheses outscore every live one, CTranslate2 once ``beam`` hypotheses have
 finished (alpha > 0) or the best one has (alpha = 0). With alpha = 0 the three gave the same
 tokens in the tests. torch runs with ``torch.set_num_threads(--threads)``, and every system's
-process with glibc malloc tuned by ``model.allocator.tune_malloc`` and oneDNN's primitive caches
-bounded by ``bound_onednn_cache`` (as the service runs; CTranslate2's oneDNN reads the same
-variable). Each system
+process with oneDNN's primitive caches bounded by ``bound_onednn_cache`` (as the service runs;
+CTranslate2's oneDNN reads the same variable). Allocator: our systems' processes run on what
+``--malloc`` means (default ``auto``: mimalloc where installed, as ``translator serve`` runs;
+``model.allocator``), the peers' on ``--peer-malloc`` (default glibc, as they ship: under
+mimalloc CTranslate2's peaks were higher); glibc's malloc is tuned by ``tune_malloc`` in every
+process it serves. Each row names its process's allocator (``malloc``). Each system
 translates ``--warmup`` sentences, then times ``--repeat`` passes and reports the median
 (``runs_s`` lists them all); a pass covers tokenization, batching, decoding and
 detokenization (source strings to target strings). This machine's speed drifts by 10-20%
@@ -46,26 +49,27 @@ runs N times, round-robin, and the median round is reported (``rounds_s`` lists 
 Systems are not timed in one process: their thread pools (torch's and CTranslate2's OpenMP
 threads spin after each parallel region) slowed whichever ran next by up to 50%.
 
-Metrics: ``tokens_per_s`` counts generated target pieces of the returned translations (EOS
-not counted). ``peak_mem_mb`` on the CPU is the process's peak resident set size during the
-timed run minus its resident size just before the system was set up (after importing its
-runtime): roughly the system's weights, runtime buffers and decoding working memory, in MiB.
-The peak comes from /proc/self/status ``VmHWM``, reset through /proc/self/clear_refs right
-before the timed run, so it covers C++ allocations (CTranslate2) as well as torch's; memory
-freed during setup (e.g. the float32 weights a converter read) is handed back to the OS
-(``malloc_trim``) before the run so it is not counted. By default each system runs in its own
-process (``--no-isolate`` runs them all in this one), so systems share no memory, thread
-pools or allocator caches, and a CTranslate2 process imports ``ctranslate2`` before torch: the
-other way round, CTranslate2 bound to torch's OpenMP runtime and ran several times slower
-(every CTranslate2 figure measured before that fix was too low; docs/benchmarks.md). On CUDA it is
-``torch.cuda.max_memory_allocated`` during the run minus the allocation before setup (torch
-systems only; null for CTranslate2, whose allocator torch cannot see).
+Metrics: ``tokens_per_s`` counts generated target pieces of the returned translations (EOS not
+counted). ``peak_mem_mb`` on the CPU is the process's peak resident set size during the timed run
+minus its resident size just before the system was set up (after importing its runtime): roughly the
+system's weights, runtime buffers and decoding working memory, in MiB. The peak comes from
+/proc/self/status ``VmHWM``, reset through /proc/self/clear_refs right before the timed run, so it
+covers C++ allocations (CTranslate2) as well as torch's; memory freed during setup (e.g. the float32
+weights a converter read) is handed back to the OS (``malloc_trim``, mimalloc's ``mi_collect``)
+before the run so it is not counted. ``setup_mem_mb`` is the resident size after setup and warm-up,
+just before the timed run, above the same baseline: the weights and what the runtime keeps between
+passes; ``peak_mem_mb - setup_mem_mb`` is a pass's working memory. By default each system runs in
+its own process (``--no-isolate`` runs them all in this one), so systems share no memory, thread
+pools or allocator caches, and a CTranslate2 process imports ``ctranslate2`` before torch: the other
+way round, CTranslate2 bound to torch's OpenMP runtime and ran several times slower (every
+CTranslate2 figure measured before that fix was too low; docs/benchmarks.md). On CUDA it is
+``torch.cuda.max_memory_allocated`` during the run minus the allocation before setup (torch systems
+only; null for CTranslate2, whose allocator torch cannot see).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import gc
 import importlib
@@ -79,7 +83,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -89,7 +92,14 @@ import torch
 from bench import naive
 from bench.stats import median, median_row
 from model import checkpoint, kernels
-from model.allocator import bound_onednn_cache, tune_malloc
+from model.allocator import (
+    MallocChoice,
+    active_malloc,
+    bound_onednn_cache,
+    malloc_env,
+    release_free_memory,
+    tune_malloc,
+)
 from model.checkpoint import Checkpoint
 from model.data import MULTI30K_DIR, pad, read_lines, token_batches
 from model.decoding import DecodingOptions, max_steps
@@ -122,11 +132,11 @@ def _reset_peak_rss() -> None:
 
 
 def release_garbage() -> None:
-    """Collect garbage and hand freed heap pages back to the OS (glibc), so memory freed
-    during setup (e.g. the float32 weights a converter read) is not counted as resident."""
+    """Collect garbage and hand freed heap pages back to the OS (glibc's trim, mimalloc's
+    collect), so memory freed during setup (e.g. the float32 weights a converter read) is not
+    counted as resident."""
     gc.collect()
-    with suppress(OSError, AttributeError):  # not glibc: nothing to trim
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    release_free_memory()
 
 
 class PeakMemory:
@@ -136,6 +146,14 @@ class PeakMemory:
         self.cuda = device == "cuda"
         self.tracks_torch = tracks_torch
         self.baseline = torch.cuda.memory_allocated() if self.cuda else status_kib("VmRSS")
+
+    def current(self) -> float | None:
+        """Memory now, in MiB above the baseline: after setup and warm-up, the weights and what
+        the runtime keeps between passes (the rest of ``stop``'s peak is a pass's working memory)."""
+        if self.cuda:
+            return (torch.cuda.memory_allocated() - (self.baseline or 0)) / 2**20 if self.tracks_torch else None
+        now = status_kib("VmRSS")
+        return None if now is None or self.baseline is None else (now - self.baseline) / 1024
 
     def start(self) -> None:
         if self.cuda:
@@ -325,14 +343,15 @@ class System:
     batched: bool = True  # False: one sentence at a time, greedy, on the first --naive-limit sentences
     ctranslate2: bool = False  # CTranslate2's own allocator and OpenMP (see run_isolated, PeakMemory)
     default: bool = True  # in --systems' default list
+    peer: bool = False  # another project's decoder: isolated, it runs on --peer-malloc, ours on --malloc
 
 
 SYSTEMS: dict[str, System] = {
     "ours": System(lambda s, _: setup_ours(_ours(s), s.batch_size, s.options)),
     "ours-full": System(lambda s, _: setup_ours(_ours(s), s.batch_size, s.options, shortlist=False), default=False),
-    "ctranslate2": System(_setup_ctranslate2(int8=False), "bench.ctranslate2_convert", ctranslate2=True),
-    "ctranslate2-int8": System(_setup_ctranslate2(int8=True), "bench.ctranslate2_convert", ctranslate2=True),
-    "marian": System(_setup_marian, "bench.marian_convert"),
+    "ctranslate2": System(_setup_ctranslate2(int8=False), "bench.ctranslate2_convert", ctranslate2=True, peer=True),
+    "ctranslate2-int8": System(_setup_ctranslate2(int8=True), "bench.ctranslate2_convert", ctranslate2=True, peer=True),
+    "marian": System(_setup_marian, "bench.marian_convert", peer=True),
     "naive": System(lambda s, _: setup_naive(_ours(s), greedy(s.options)), batched=False),
     "ours-single": System(lambda s, _: setup_ours(_ours(s), 1, greedy(s.options)), batched=False, default=False),
 }
@@ -353,6 +372,7 @@ def measure(
         translate = spec.setup(settings, Path(tmp))
         release_garbage()
         translate(src[:warmup])
+        settled = meter.current()
         meter.start()
         runs = []
         with progress(repeat, f"{system}: timed passes of {len(src)} sentences", unit="pass") as bar:
@@ -373,19 +393,25 @@ def measure(
         "sentences_per_s": round(len(src) / seconds, 2),
         "tokens_per_s": round(out.tokens / seconds, 1),
         "peak_mem_mb": None if peak is None else round(peak, 1),
+        "setup_mem_mb": None if settled is None else round(settled, 1),
         "bleu": score_translations(out.texts, ref)["bleu"],
         "batch_size": 1 if unbatched else settings.batch_size,
         "threads": settings.threads,
         "dtype": settings.dtype,
         "cpu": cpu_name(),
         "isa": kernels.detected().isa if settings.device == "cpu" else None,
+        "malloc": active_malloc(),
         "runs_s": [round(r, 3) for r in runs],
     }
 
 
-def run_rounds(systems: Sequence[str], child_argv: list[str], rounds: int) -> None:
+def run_rounds(
+    systems: Sequence[str], child_argv: list[str], rounds: int, malloc: MallocChoice, peer_malloc: MallocChoice
+) -> None:
     """Each system in its own process, ``rounds`` times round-robin (so a drift in machine
-    speed hits every system alike); print each system's median round, with all rounds' times."""
+    speed hits every system alike), ours on the allocator ``malloc`` means and the peers on
+    ``peer_malloc``'s (``allocator.malloc_env``); print each system's median round, with all
+    rounds' times."""
     rows: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
     failed: set[str] = set()
     for _ in range(rounds):
@@ -393,7 +419,8 @@ def run_rounds(systems: Sequence[str], child_argv: list[str], rounds: int) -> No
             if system in failed:
                 continue
             try:
-                rows[system] += [json.loads(line) for line in run_isolated(system, child_argv)]
+                choice = peer_malloc if SYSTEMS[system].peer else malloc
+                rows[system] += [json.loads(line) for line in run_isolated(system, child_argv, choice)]
             except RuntimeError as err:  # e.g. a peer that cannot run on this device: report the rest
                 log.error("%s", err)
                 failed.add(system)
@@ -408,8 +435,9 @@ def run_rounds(systems: Sequence[str], child_argv: list[str], rounds: int) -> No
 CTRANSLATE2_FIRST = "import ctranslate2, runpy; runpy.run_module('bench.decode', run_name='__main__', alter_sys=True)"
 
 
-def run_isolated(system: str, argv: Sequence[str]) -> list[str]:
-    """Run one system in a child process of this module (same cwd); return its JSON lines."""
+def run_isolated(system: str, argv: Sequence[str], malloc: MallocChoice = "glibc") -> list[str]:
+    """Run one system in a child process of this module (same cwd) on the allocator ``malloc``
+    means (``allocator.malloc_env``); return its JSON lines."""
     cmd = [sys.executable, "-m", "bench.decode", *argv, "--systems", system, "--no-isolate"]
     if SYSTEMS[system].ctranslate2:
         # CTranslate2 first, then torch (bench.decode imports it): both libraries bring an
@@ -417,7 +445,8 @@ def run_isolated(system: str, argv: Sequence[str]) -> list[str]:
         # imported after torch it ran several times slower (docs/benchmarks.md "Numbers behind the code").
         cmd[1:3] = ["-c", CTRANSLATE2_FIRST]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False, env={**os.environ, "PYTHONPATH": path})
+    env = malloc_env(malloc, {**os.environ, "PYTHONPATH": path})
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False, env=env)
     if proc.returncode:
         raise RuntimeError(f"{system}: benchmark process exited with {proc.returncode} (its stderr is above)")
     return [line for line in proc.stdout.splitlines() if line.strip()]
@@ -441,6 +470,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data-dir", type=Path, default=MULTI30K_DIR, help="folder with test_2016_flickr.{de,en}.gz")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True, help="one process per system")
     parser.add_argument(
+        "--malloc",
+        default="auto",
+        choices=("auto", "mimalloc", "glibc"),
+        help="allocator of our systems' processes (auto: mimalloc where installed, as translator serve runs)",
+    )
+    parser.add_argument(
+        "--peer-malloc",
+        default="glibc",
+        choices=("auto", "mimalloc", "glibc"),
+        help="allocator of the peers' processes (glibc: as they ship)",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=1, help="isolated runs of every system, round-robin; the median run is reported"
     )
     return parser.parse_args(argv)
@@ -460,14 +501,15 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
     if args.isolate:
-        run_rounds(systems, _without_systems(sys.argv[1:] if argv is None else argv), args.rounds)
+        child_argv = _without_systems(sys.argv[1:] if argv is None else argv)
+        run_rounds(systems, child_argv, args.rounds, args.malloc, args.peer_malloc)
         return
     settings = settings_from(args)
     src = read_lines(args.data_dir / "test_2016_flickr.de.gz")
     ref = read_lines(args.data_dir / "test_2016_flickr.en.gz")
     n = args.limit or len(src)
     torch.set_num_threads(args.threads)
-    tune_malloc()  # every system, so all run under the same allocator settings
+    tune_malloc()  # glibc: every system under the same settings (another allocator: its own)
     bound_onednn_cache()  # and oneDNN's caches bounded as the service bounds them (CTranslate2's oneDNN too)
     for system in systems:
         batched = SYSTEMS[system].batched

@@ -1,4 +1,15 @@
-"""Process-wide tuning of glibc's malloc for CPU inference (called by entry points only).
+"""Process-wide choice and tuning of the memory allocator for CPU inference (entry points only).
+
+Which allocator: mimalloc where the system has it (Debian/Ubuntu ``libmimalloc2.0``), loaded by
+``exec_with_malloc`` before anything else (``LD_PRELOAD``, the way PyTorch's own CPU launcher
+``torch.backends.xeon.run_cpu`` preloads tcmalloc or jemalloc), else glibc's malloc tuned as below.
+glibc keeps each arena's free blocks where they are, so the transients of batches of growing
+lengths (encoder activations, cross-attention K/V, fbgemm's int32 accumulators) leave holes the
+next batch's do not fit: after a pass over test_2016 in batches of 64 the heap held 44-52 MiB
+resident against a live peak of 19-26 MiB. mimalloc's size-segregated pages reuse them:
+``bench.decode`` peaks fell 20-38 MiB in three of four cells (int8 greedy, int8 and float32 beam 4)
+at the same speed (docs/benchmarks.md "The allocator"). Under glibc (``TRANSLATOR_MALLOC=glibc``,
+or no mimalloc installed):
 
 torch's CPU allocator has no cache: every tensor is a fresh ``malloc``. glibc serves blocks
 above ``M_MMAP_THRESHOLD`` (128 KiB at first) with a new ``mmap`` and unmaps them on free, so
@@ -12,10 +23,15 @@ process keeps its peak heap resident instead of returning it to the OS between b
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import functools
 import logging
 import mmap
 import os
-from typing import TYPE_CHECKING
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -28,9 +44,87 @@ MMAP_THRESHOLD = 32 * 2**20  # glibc's upper limit for the dynamic threshold on 
 TRIM_THRESHOLD = 256 * 2**20
 
 
+MallocChoice = Literal["auto", "mimalloc", "glibc"]
+MIMALLOC = "mimalloc"
+_PRELOADABLE = ("mimalloc", "jemalloc", "tcmalloc")  # what active_malloc recognizes in the process
+REEXEC_MARK = "TRANSLATOR_MALLOC_REEXEC"  # set in the re-executed process: never exec twice
+
+
+class MallocUnavailable(RuntimeError):
+    """The allocator asked for is not installed, or did not load."""
+
+
+@functools.cache
+def active_malloc() -> str:
+    """The allocator serving this process's ``malloc``: ``mimalloc``, ``jemalloc`` or ``tcmalloc``
+    when one is loaded (``LD_PRELOAD``), else ``glibc`` (``system`` off Linux). Fixed for the
+    process's life (the dynamic loader binds ``malloc`` once)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "system"
+    for name in _PRELOADABLE:
+        if f"/lib{name}" in maps:
+            return name
+    return "glibc"
+
+
+def mimalloc_library() -> str | None:
+    """The name to preload mimalloc by (e.g. ``libmimalloc.so.2``), or None where it is not installed."""
+    return ctypes.util.find_library(MIMALLOC) if sys.platform.startswith("linux") else None
+
+
+def wanted_malloc(choice: MallocChoice) -> str:
+    """The allocator ``choice`` means here: ``auto`` is mimalloc where installed, else glibc;
+    raises ``MallocUnavailable`` for ``mimalloc`` where it is not installed."""
+    if choice == "glibc":
+        return "glibc"
+    if mimalloc_library() is not None:
+        return MIMALLOC
+    if choice == MIMALLOC:
+        raise MallocUnavailable(
+            "TRANSLATOR_MALLOC=mimalloc, but mimalloc is not installed (Debian/Ubuntu: apt install libmimalloc2.0)"
+        )
+    return "glibc"
+
+
+def malloc_env(choice: MallocChoice, env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for a new process that runs on the allocator ``choice`` means: mimalloc's library
+    added to ``LD_PRELOAD`` where wanted; for glibc, any preloaded allocator in ``LD_PRELOAD`` removed."""
+    out = dict(env)
+    kept = [p for p in out.get("LD_PRELOAD", "").split() if not any(f"lib{n}" in p for n in _PRELOADABLE)]
+    if wanted_malloc(choice) == MIMALLOC:
+        kept.insert(0, str(mimalloc_library()))
+    if kept:
+        out["LD_PRELOAD"] = " ".join(kept)
+    else:
+        out.pop("LD_PRELOAD", None)
+    return out
+
+
+def exec_with_malloc(choice: MallocChoice) -> None:
+    """Make this process run on the allocator ``choice`` means: return at once where it does,
+    else re-execute the same command line (``sys.orig_argv``) with ``malloc_env`` (never twice).
+    Call first thing in a command's entry point: the process is replaced. Raises
+    ``MallocUnavailable`` where the allocator is missing or did not load after the re-execution."""
+    wanted, active = wanted_malloc(choice), active_malloc()
+    if wanted == active or active == "system":
+        return
+    if os.environ.get(REEXEC_MARK):
+        raise MallocUnavailable(f"{wanted} was wanted (TRANSLATOR_MALLOC={choice}) but {active} serves malloc")
+    log.info("re-executing on %s (TRANSLATOR_MALLOC=%s; this process has %s)", wanted, choice, active)
+    env = malloc_env(choice, os.environ) | {REEXEC_MARK: "1"}
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os.execve(sys.executable, sys.orig_argv, env)
+
+
 def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD) -> bool:
     """Serve blocks up to ``mmap_threshold`` bytes from the heap and keep up to ``trim_threshold``
-    bytes of free heap; True when applied (glibc), False elsewhere (musl, macOS)."""
+    bytes of free heap; True when applied (glibc serving malloc), False elsewhere (mimalloc or
+    another allocator preloaded, musl, macOS)."""
+    if active_malloc() != "glibc":
+        return False
     try:
         libc = ctypes.CDLL("libc.so.6")
         ok = bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(
@@ -44,11 +138,15 @@ def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM
 
 
 def release_free_memory() -> bool:
-    """Hand the free parts of every malloc arena back to the OS (glibc's ``malloc_trim(0)``);
-    False where that does not exist. The service calls it whenever its model runs out of work,
-    so a replica's RSS falls back after a burst of large batches instead of keeping their
-    high-water mark (docs/reliability.md "Memory"); decoding keeps its fast heap in between."""
+    """Hand the allocator's free memory back to the OS: glibc's ``malloc_trim(0)`` (the free
+    parts of every arena), mimalloc's ``mi_collect(true)``; False where neither exists. The
+    service calls it whenever its model runs out of work, so a replica's RSS falls back after a
+    burst of large batches instead of keeping their high-water mark (docs/reliability.md
+    "Memory"); decoding keeps its fast heap in between."""
     try:
+        if active_malloc() == MIMALLOC:
+            ctypes.CDLL(None).mi_collect(ctypes.c_bool(True))
+            return True
         return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
     except (OSError, AttributeError):
         return False

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from model.data import read_lines
-from tests.conftest import SHIPPED
+from tests.conftest import SHIPPED, require
 from tests.helpers import ROOT, free_port, running_server, stop, wait_ready
 
 DOC = {"source": "de", "target": "en"}
@@ -250,6 +250,34 @@ def test_ready_is_503_while_loading(weights_env: dict[str, str]) -> None:
         assert set(statuses) == {503, 200}
     finally:
         stop(proc)
+
+
+def test_serve_runs_on_the_allocator_chosen(weights_env: dict[str, str]) -> None:
+    """``translator serve`` re-executes itself on mimalloc where installed (TRANSLATOR_MALLOC=auto,
+    the default; the same process, so the same PID) and stays on glibc when told; /info says
+    which serves it, and the process's memory maps agree."""
+    from model.allocator import mimalloc_library
+
+    require(mimalloc_library() is not None, "mimalloc is not installed (Debian/Ubuntu: apt install libmimalloc2.0)")
+    for choice, expected in (("auto", "mimalloc"), ("glibc", "glibc")):
+        with running_server({**weights_env, "TRANSLATOR_MALLOC": choice}) as url:
+            info = httpx.get(f"{url}/info", timeout=10).json()
+            assert info["malloc"] == expected, (choice, info["malloc"])
+            body = {"q": "ein hund", "source": "de", "target": "en"}
+            assert httpx.post(f"{url}/translate", json=body, timeout=30).status_code == 200
+
+
+def test_serve_refuses_to_start_without_the_allocator_it_was_told_to_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRANSLATOR_MALLOC=mimalloc where mimalloc is missing (simulated): start-up fails with the
+    setting and the package to install, before any model loads."""
+    from app import cli
+    from model import allocator
+
+    monkeypatch.setattr(allocator, "mimalloc_library", lambda: None)
+    monkeypatch.setattr(sys, "argv", ["translator", "serve"])
+    monkeypatch.setenv("TRANSLATOR_MALLOC", "mimalloc")
+    with pytest.raises(SystemExit, match=r"TRANSLATOR_MALLOC=mimalloc.*apt install libmimalloc2\.0"):
+        cli.main(["serve"])
 
 
 def test_libretranslate_client_works_unchanged(weights_env: dict[str, str]) -> None:

@@ -28,6 +28,7 @@ KEYS = {
     "sentences_per_s",
     "tokens_per_s",
     "peak_mem_mb",
+    "setup_mem_mb",
     "bleu",
 }
 
@@ -75,6 +76,7 @@ def test_cli_prints_one_json_line_per_system(tiny_weights_dir: Path, data_dir: P
         assert isinstance(row["seconds"], float) and row["seconds"] > 0
         assert isinstance(row["tokens_per_s"], float) and row["tokens_per_s"] > 0
         assert isinstance(row["peak_mem_mb"], float) and row["peak_mem_mb"] >= 0
+        assert isinstance(row["setup_mem_mb"], float) and 0 <= row["setup_mem_mb"] <= row["peak_mem_mb"] + 1
     assert [r["sentences"] for r in rows] == [8, 8, 8, 8, 4]
     # greedy, same weights, same length limits: the same translations, hence the same BLEU
     by_name = {r["system"]: r for r in rows}

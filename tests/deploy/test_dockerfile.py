@@ -49,9 +49,14 @@ def test_multi_stage_slim_runtime_as_non_root(dockerfile: Dockerfile) -> None:
     assert user is not None and user.value.split(":")[0] not in ("0", "root")
     copies = [split_flags(c.value) for c in runtime.of("COPY")]
     assert ({"from": "builder"}, ["/opt/venv", "/opt/venv"]) in copies, "the runtime gets the builder's venv only"
-    # Runtime RUN steps only create the service user: installs belong to the builder (and its replay).
-    for run in runtime.of("RUN"):
-        assert re.fullmatch(r"groupadd [^&]+&& useradd [^&]+", run.value), run.value
+    # Runtime RUN steps create the service user and install mimalloc (a runtime library, lists
+    # removed); every other install belongs to the builder (and its replay).
+    runs = [run.value for run in runtime.of("RUN")]
+    assert len(runs) == 2, runs
+    assert re.fullmatch(r"groupadd [^&]+&& useradd [^&]+", runs[1]), runs[1]
+    apt = r"apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends (\S+) "
+    installed = re.fullmatch(apt + r"&& rm -rf /var/lib/apt/lists/\*", " ".join(runs[0].split()))
+    assert installed is not None and installed.group(1) == "libmimalloc2.0", runs[0]
 
 
 def test_variants_and_torch_pin(dockerfile: Dockerfile) -> None:

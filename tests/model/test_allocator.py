@@ -1,4 +1,5 @@
-"""malloc tuning: big per-step tensors stop being mmapped (and page-faulted) afresh each time."""
+"""The allocator: mimalloc chosen where installed (and preloaded by re-executing), glibc's malloc
+tuned otherwise (big per-step tensors stop being mmapped and page-faulted afresh each time)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,21 @@ import pytest
 import torch
 
 from bench.decode import status_kib
+from model import allocator
 from model.allocator import (
     M_MMAP_THRESHOLD,
     M_TRIM_THRESHOLD,
     OWN_PAGES_MIN_BYTES,
+    MallocUnavailable,
+    active_malloc,
+    malloc_env,
+    mimalloc_library,
     release_free_memory,
     tune_malloc,
+    wanted_malloc,
     zeroed_pages,
 )
+from tests.conftest import ROOT, require
 from tests.helpers import rss_mib
 
 
@@ -39,7 +47,8 @@ def test_tuned_malloc_reuses_heap_pages_in_a_fresh_process() -> None:
         _check_tuned_malloc_reuses_heap_pages()
         return
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{_this()}"]
-    proc = subprocess.run(cmd, env={**os.environ, "ALLOCATOR_TEST_CHILD": "1"}, capture_output=True, text=True)
+    env = malloc_env("glibc", {**os.environ, "ALLOCATOR_TEST_CHILD": "1"})  # what it tunes
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
 
 
@@ -79,6 +88,63 @@ def test_release_free_memory_hands_a_freed_burst_back_to_the_os() -> None:
     assert kept - base > 150, (base, kept)
     assert release_free_memory()
     assert rss_mib() < kept - 150, (base, kept, rss_mib())
+
+
+_BURST = """
+import torch
+from model.allocator import active_malloc, release_free_memory
+from tests.helpers import rss_mib
+release_free_memory()
+base = rss_mib()
+burst = [torch.empty(2**18).fill_(1.0) for _ in range(200)]  # 200 x 1 MiB
+del burst
+kept = rss_mib()
+released = release_free_memory()
+print(active_malloc(), kept - base, released, kept - rss_mib())
+"""
+
+
+def python_on(choice: allocator.MallocChoice, code: str, env: dict[str, str] | None = None) -> list[str]:
+    """Run ``code`` in a fresh interpreter on the allocator ``choice`` means; its output's words."""
+    import os
+    import subprocess
+    import sys
+
+    base = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    run = subprocess.run([sys.executable, "-c", code], env=malloc_env(choice, base), capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.split()
+
+
+def test_mimalloc_is_preloaded_and_hands_a_freed_burst_back() -> None:
+    """A process started with ``malloc_env("mimalloc")`` runs on mimalloc, which keeps a freed
+    burst for reuse until the idle hook's ``release_free_memory`` (``mi_collect``) returns it."""
+    require(mimalloc_library() is not None, "mimalloc is not installed (Debian/Ubuntu: apt install libmimalloc2.0)")
+    name, kept, released, returned = python_on("mimalloc", _BURST)
+    assert (name, released) == ("mimalloc", "True")
+    assert float(kept) > 150 and float(returned) > 150, (kept, returned)
+
+
+def test_glibc_means_no_preloaded_allocator() -> None:
+    assert malloc_env("glibc", {"LD_PRELOAD": "libmimalloc.so.2 /opt/libother.so"})["LD_PRELOAD"] == "/opt/libother.so"
+    assert "LD_PRELOAD" not in malloc_env("glibc", {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2", "A": "1"})
+    if mimalloc_library() is not None:  # a real process, started with mimalloc preloaded: glibc serves it
+        assert python_on("glibc", "from model.allocator import active_malloc; print(active_malloc())",
+                         {"LD_PRELOAD": str(mimalloc_library())}) == ["glibc"]  # fmt: skip
+
+
+def test_auto_is_mimalloc_where_installed_and_glibc_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where mimalloc is missing (simulated), auto falls back to glibc and an explicit mimalloc is
+    refused with the package to install, before any re-execution."""
+    monkeypatch.setattr(allocator, "mimalloc_library", lambda: "libmimalloc.so.2")
+    assert wanted_malloc("auto") == wanted_malloc("mimalloc") == "mimalloc"
+    assert malloc_env("auto", {"LD_PRELOAD": "/opt/libother.so"})["LD_PRELOAD"] == "libmimalloc.so.2 /opt/libother.so"
+    monkeypatch.setattr(allocator, "mimalloc_library", lambda: None)
+    assert wanted_malloc("auto") == "glibc" and malloc_env("auto", {}) == {}
+    for refused in (lambda: wanted_malloc("mimalloc"), lambda: allocator.exec_with_malloc("mimalloc")):
+        with pytest.raises(MallocUnavailable, match=r"apt install libmimalloc2\.0"):
+            refused()
+    assert active_malloc() in ("glibc", "mimalloc", "jemalloc", "tcmalloc")
 
 
 def test_the_onednn_caches_are_bounded_unless_the_user_set_them() -> None:
