@@ -20,7 +20,9 @@ The clients run in this process, on the same machine as the server, so they shar
 they speak HTTP/1.1 over keep-alive connections through asyncio streams (``Connection``),
 which cost a small fraction of the CPU httpx's async client took per request; with httpx the
 clients took a large share of the cores the server needed (docs/benchmarks.md "Numbers behind
-the code").
+the code"). Each row says how much: ``client_cores`` is the CPU time this process spent during
+the run over its wall time, and ``server_cores`` the server's (``process_cpu_seconds_total`` from
+its ``/metrics``, before and after; null for a server without it).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
+
+import httpx
 
 from bench.server import ROOT, running_server
 from bench.stats import median, median_row, percentile
@@ -64,6 +68,8 @@ class LoadResult:
     offline_sps: float | None = None  # the same model offline on the same sentences (``--offline``)
     of_offline: float | None = None  # rps / offline_sps
     phases_ms: dict[str, float] | None = None  # median of each Server-Timing phase (servers that send it)
+    client_cores: float | None = None  # this process's CPU seconds during the run / its wall seconds
+    server_cores: float | None = None  # the server's, from its /metrics (servers that export it)
 
 
 def server_timing(value: str) -> dict[str, float]:
@@ -155,10 +161,14 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
         finally:
             connection.close()
 
-    start = time.perf_counter()
+    server_cpu = await cpu_seconds(url)
+    start, cpu = time.perf_counter(), time.process_time()
     with bar:
         await asyncio.gather(*(client() for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
+    client_cores = (time.process_time() - cpu) / elapsed
+    server_after = await cpu_seconds(url)
+    server_cores = None if server_cpu is None or server_after is None else (server_after - server_cpu) / elapsed
     ms = [1000 * x for x in latencies]
     return LoadResult(
         concurrency,
@@ -171,7 +181,25 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
         errors,
         beam,
         phases_ms={name: round(median(v), 2) for name, v in phases.items()} or None,
+        client_cores=round(client_cores, 3),
+        server_cores=None if server_cores is None else round(server_cores, 3),
     )
+
+
+async def cpu_seconds(url: str) -> float | None:
+    """The server's ``process_cpu_seconds_total`` from its /metrics (a chunked reply: httpx reads
+    it; two calls a run); None where it has none."""
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            reply = await client.get(f"{url}/metrics")
+    except httpx.HTTPError:
+        return None
+    if reply.status_code != 200:
+        return None
+    for line in reply.text.splitlines():
+        if line.startswith("process_cpu_seconds_total "):
+            return float(line.split()[1])
+    return None
 
 
 @contextmanager

@@ -61,6 +61,8 @@ def test_url_measures_a_running_server_with_its_phases(tiny_weights_dir: Path, d
         phases = row["phases_ms"]
         assert {"parse", "prepare", "queue", "encode", "decode", "handoff", "total"} <= set(phases)
         assert phases["decode"] > 0 and phases["total"] >= phases["decode"]
+        # where the machine's CPU went: the clients here, the server from its own /metrics
+        assert 0 < row["client_cores"] < 4 and 0 < row["server_cores"] < 4, row
 
 
 def png_size(path: Path) -> tuple[int, int]:
