@@ -7,7 +7,7 @@ glibc keeps each arena's free blocks where they are, so the transients of batche
 lengths (encoder activations, cross-attention K/V, fbgemm's int32 accumulators) leave holes the
 next batch's do not fit: after a pass over test_2016 in batches of 64 the heap held 44-52 MiB
 resident against a live peak of 19-26 MiB. mimalloc's size-segregated pages reuse them:
-``bench.decode`` peaks fell 20-38 MiB in three of four cells (int8 greedy, int8 and float32 beam 4)
+``bench.decode`` peaks fell 15-49 MiB in three of four cells (int8 greedy, int8 and float32 beam 4)
 at the same speed (docs/benchmarks.md "The allocator"). Under glibc (``TRANSLATOR_MALLOC=glibc``,
 or no mimalloc installed):
 
@@ -106,11 +106,15 @@ def exec_with_malloc(choice: MallocChoice) -> None:
     """Make this process run on the allocator ``choice`` means: return at once where it does,
     else re-execute the same command line (``sys.orig_argv``) with ``malloc_env`` (never twice).
     Call first thing in a command's entry point: the process is replaced. Raises
-    ``MallocUnavailable`` where the allocator is missing or did not load after the re-execution."""
+    ``MallocUnavailable`` where the allocator is missing, or did not load after the re-execution
+    when it was asked for by name (``auto`` then goes on, on what it has, with a warning)."""
     wanted, active = wanted_malloc(choice), active_malloc()
     if wanted == active or active == "system":
         return
-    if os.environ.get(REEXEC_MARK):
+    if os.environ.get(REEXEC_MARK):  # re-executed already, and the preload did not take
+        if choice == "auto":
+            log.warning("%s did not load (LD_PRELOAD=%s): running on %s", wanted, os.environ.get("LD_PRELOAD"), active)
+            return
         raise MallocUnavailable(f"{wanted} was wanted (TRANSLATOR_MALLOC={choice}) but {active} serves malloc")
     log.info("re-executing on %s (TRANSLATOR_MALLOC=%s; this process has %s)", wanted, choice, active)
     env = malloc_env(choice, os.environ) | {REEXEC_MARK: "1"}

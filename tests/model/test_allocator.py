@@ -147,6 +147,19 @@ def test_auto_is_mimalloc_where_installed_and_glibc_elsewhere(monkeypatch: pytes
     assert active_malloc() in ("glibc", "mimalloc", "jemalloc", "tcmalloc")
 
 
+def test_a_preload_that_did_not_take_is_no_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the re-executed process (its mark set) still on glibc (simulated: mimalloc "installed"
+    but this process never preloaded it): auto goes on without executing again, an explicit
+    mimalloc is refused."""
+    if active_malloc() != "glibc":
+        pytest.skip("this process runs on another allocator")
+    monkeypatch.setattr(allocator, "mimalloc_library", lambda: "libmimalloc.so.2")
+    monkeypatch.setenv(allocator.REEXEC_MARK, "1")
+    allocator.exec_with_malloc("auto")  # returns: no exec, no error
+    with pytest.raises(MallocUnavailable, match="mimalloc was wanted"):
+        allocator.exec_with_malloc("mimalloc")
+
+
 def test_the_onednn_caches_are_bounded_unless_the_user_set_them() -> None:
     import os
     import subprocess
