@@ -42,6 +42,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server import ROOT, running_server
 from bench.stats import median, median_row, percentile
@@ -161,13 +162,13 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
         finally:
             connection.close()
 
-    server_cpu = await cpu_seconds(url)
+    server_cpu = cpu_seconds(url)  # (before and after the clients run: blocking is harmless)
     start, cpu = time.perf_counter(), time.process_time()
     with bar:
         await asyncio.gather(*(client() for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
     client_cores = (time.process_time() - cpu) / elapsed
-    server_after = await cpu_seconds(url)
+    server_after = cpu_seconds(url)
     server_cores = None if server_cpu is None or server_after is None else (server_after - server_cpu) / elapsed
     ms = [1000 * x for x in latencies]
     return LoadResult(
@@ -186,20 +187,28 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
     )
 
 
-async def cpu_seconds(url: str) -> float | None:
-    """The server's ``process_cpu_seconds_total`` from its /metrics (a chunked reply: httpx reads
-    it; two calls a run); None where it has none."""
-    try:
-        async with httpx.AsyncClient(timeout=10.0) as client:
-            reply = await client.get(f"{url}/metrics")
-    except httpx.HTTPError:
-        return None
+def server_metric(url: str, name: str) -> float | None:
+    """The first sample called ``name`` (e.g. the process collector's ``process_cpu_seconds_total``)
+    in the server's /metrics; None where the server answers no Prometheus text with it."""
+    reply = httpx.get(f"{url}/metrics", timeout=10)
     if reply.status_code != 200:
         return None
-    for line in reply.text.splitlines():
-        if line.startswith("process_cpu_seconds_total "):
-            return float(line.split()[1])
+    try:
+        for family in text_string_to_metric_families(reply.text):
+            for sample in family.samples:
+                if sample.name == name:
+                    return float(sample.value)
+    except ValueError:  # not Prometheus text
+        return None
     return None
+
+
+def cpu_seconds(url: str) -> float | None:
+    """The server's CPU seconds so far (``process_cpu_seconds_total``); None where it has none."""
+    try:
+        return server_metric(url, "process_cpu_seconds_total")
+    except httpx.HTTPError:
+        return None
 
 
 @contextmanager

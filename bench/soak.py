@@ -31,10 +31,7 @@ import json
 import time
 from pathlib import Path
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
-from bench.load import ROOT, Connection, server
+from bench.load import ROOT, Connection, server, server_metric
 from model.data import MULTI30K_DIR, read_lines
 from model.progress import progress
 
@@ -42,11 +39,10 @@ BEAMS = (1, 2, 4, 8)
 
 
 def rss_mb(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        if family.name == "process_resident_memory_bytes":
-            return round(family.samples[0].value / 2**20, 1)
-    raise KeyError("process_resident_memory_bytes not exported")
+    value = server_metric(url, "process_resident_memory_bytes")
+    if value is None:
+        raise KeyError("process_resident_memory_bytes not exported")
+    return round(value / 2**20, 1)
 
 
 def request_body(sentences: list[str], i: int) -> dict[str, object]:
