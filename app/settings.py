@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from model.allocator import MallocChoice
 from model.precision import Precision
 
 
@@ -53,7 +54,7 @@ class Settings(BaseSettings):
         "variant with the system's C++ compiler, ~20-60 s, cached): about half the time a sentence one at a time; "
         "false, or no compiler: torch's tensor operations, float32 layers on oneDNN (MKL on Intel CPUs)",
     )
-    malloc: Literal["auto", "mimalloc", "glibc"] = Field(
+    malloc: MallocChoice = Field(
         "auto",
         description="memory allocator (translator serve re-executes itself on it): auto: mimalloc where installed "
         "(Debian/Ubuntu: libmimalloc2.0; lower batch memory, model/allocator.py), else glibc's malloc, tuned; "

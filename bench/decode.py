@@ -85,7 +85,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import torch
 
@@ -472,13 +472,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--malloc",
         default="auto",
-        choices=("auto", "mimalloc", "glibc"),
+        choices=get_args(MallocChoice),
         help="allocator of our systems' processes (auto: mimalloc where installed, as translator serve runs)",
     )
     parser.add_argument(
         "--peer-malloc",
         default="glibc",
-        choices=("auto", "mimalloc", "glibc"),
+        choices=get_args(MallocChoice),
         help="allocator of the peers' processes (glibc: as they ship)",
     )
     parser.add_argument(
