@@ -23,7 +23,14 @@ from app.ratelimit import RateLimiter
 from app.service import LoadedModel, TranslationService, assign_directions, discover, kernel_plan
 from app.settings import Settings
 from app.suggestions import SuggestionStore
-from model.allocator import active_malloc, bound_onednn_cache, mkl_buffer_pool, release_free_memory, tune_malloc
+from model.allocator import (
+    active_malloc,
+    bound_onednn_cache,
+    freeing_at_once,
+    mkl_buffer_pool,
+    release_free_memory,
+    tune_malloc,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,17 +86,18 @@ class AppState:
                     "scratch buffers stay resident for good; set MKL_DISABLE_FAST_MM=1 to turn it off"
                 )
             paths = discover(self.settings.weights_dir, self.settings.load_only)
-            for path, pairs in assign_directions(paths, self.settings.load_only).items():
-                loaded = self.model_thread.run(
-                    functools.partial(LoadedModel, path, self.settings, self.metrics, self.model_thread)
-                )
-                self.models.append(loaded)
-                loaded.start()
-                for source, target in loaded.directions if pairs is None else pairs:
-                    service = TranslationService(loaded, source, target, self.settings)
-                    service.start()
-                    self.services[(source, target)] = service
-                    log.info("serving %s from %s: %s", service.direction, path, loaded.plan.describe())
+            with freeing_at_once():  # what loading and warm-up free goes back to the OS as it goes
+                for path, pairs in assign_directions(paths, self.settings.load_only).items():
+                    loaded = self.model_thread.run(
+                        functools.partial(LoadedModel, path, self.settings, self.metrics, self.model_thread)
+                    )
+                    self.models.append(loaded)
+                    loaded.start()
+                    for source, target in loaded.directions if pairs is None else pairs:
+                        service = TranslationService(loaded, source, target, self.settings)
+                        service.start()
+                        self.services[(source, target)] = service
+                        log.info("serving %s from %s: %s", service.direction, path, loaded.plan.describe())
             self.detector = Detector([source for source, _ in self.services])
             # what loading freed (float weights that packed copies replaced, warm-up batches) goes back
             # to the OS before the first request; on the model thread, whose heap mimalloc collects

@@ -70,6 +70,7 @@ only; null for CTranslate2, whose allocator torch cannot see).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import importlib
@@ -96,6 +97,7 @@ from model.allocator import (
     MallocChoice,
     active_malloc,
     bound_onednn_cache,
+    freeing_at_once,
     malloc_env,
     release_free_memory,
     tune_malloc,
@@ -369,9 +371,11 @@ def measure(
     release_garbage()
     meter = PeakMemory(settings.device, tracks_torch=not spec.ctranslate2)
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
-        translate = spec.setup(settings, Path(tmp))
-        release_garbage()
-        translate(src[:warmup])
+        # ours loads and warms up as the service does, handing what that frees back as it goes
+        with contextlib.nullcontext() if spec.peer else freeing_at_once():
+            translate = spec.setup(settings, Path(tmp))
+            release_garbage()
+            translate(src[:warmup])
         settled = meter.current()
         meter.start()
         runs = []

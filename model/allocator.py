@@ -22,6 +22,7 @@ process keeps its peak heap resident instead of returning it to the OS between b
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -29,7 +30,7 @@ import logging
 import mmap
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -154,6 +155,52 @@ def release_free_memory() -> bool:
         return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+# mimalloc hands a freed span back to the OS only after a delay (25 ms in 2.0), and only when the
+# segment that holds it is allocated from again; ``mi_collect`` does not hurry it. Loading a model
+# frees most of what it allocates (the float32 model that packed copies replace, the conversions'
+# temporaries), in segments decoding may never touch again: they stayed resident, 15-26 MiB a
+# model (docs/benchmarks.md "Loading on mimalloc"). With the delay at 0 they go back as they are
+# freed; decoding cannot run so (every step's freed buffers faulted in again: 35-40% slower), so
+# the delay is 0 only while loading. The option is set by its number: ``mi_option_decommit_delay``
+# in mimalloc 2.0, ``mi_option_purge_delay`` in the same slot in 2.1; other versions are left alone.
+_MI_DECOMMIT_DELAY = 15
+_MI_VERSIONS = range(200, 300)  # mi_version(): 209 for 2.0.9, 212 for 2.1.2
+
+
+@contextlib.contextmanager
+def freeing_at_once() -> Iterator[bool]:
+    """Within the block, memory the process frees goes back to the OS at once (model loading:
+    see above), then the allocator's own delay again and its free memory handed back
+    (``release_free_memory``). Yields whether it applies: mimalloc 2.x; elsewhere the block runs
+    as it is (glibc's tuned heap gives back its free top with ``malloc_trim``)."""
+    lib = _mimalloc() if active_malloc() == MIMALLOC else None
+    if lib is None:
+        yield False
+        return
+    delay = lib.mi_option_get(_MI_DECOMMIT_DELAY)
+    lib.mi_option_set(_MI_DECOMMIT_DELAY, 0)
+    try:
+        yield True
+    finally:
+        lib.mi_option_set(_MI_DECOMMIT_DELAY, delay)
+        release_free_memory()
+
+
+def _mimalloc() -> ctypes.CDLL | None:
+    """The process's mimalloc, where it is a version whose option numbers are known."""
+    try:
+        lib = ctypes.CDLL(None)
+        version = int(lib.mi_version())
+    except (OSError, AttributeError):
+        return None
+    if version not in _MI_VERSIONS:
+        log.info("mimalloc %d: option numbers unknown, loading keeps its freed memory", version)
+        return None
+    lib.mi_option_get.argtypes, lib.mi_option_get.restype = (ctypes.c_int,), ctypes.c_long
+    lib.mi_option_set.argtypes = (ctypes.c_int, ctypes.c_long)
+    return lib
 
 
 # The decoder's KV cache is the one large long-lived allocation of decoding: at 64 sentences x beam 4
