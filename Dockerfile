@@ -39,6 +39,18 @@ COPY model model
 # without the dev extras; pip check fails the build on a broken set.
 RUN "$VIRTUAL_ENV/bin/pip" install ".[plot]" \
     && "$VIRTUAL_ENV/bin/pip" check
+# The fused decoder-step kernels (model/fused.py) compiled here, every x86 variant (AVX-512, AVX2,
+# baseline: the runtime picks by the CPU's features), into the venv, so the runtime needs no
+# compiler: without them float32 decodes on tensor operations instead of the packed panels.
+# (-P: the installed package, not the source tree in this folder.)
+# hadolint ignore=DL3008
+RUN command -v g++ >/dev/null || { apt-get update \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
+        && rm -rf /var/lib/apt/lists/*; }
+RUN case "$(uname -m)" in \
+        x86_64) TORCH_EXTENSIONS_DIR="$VIRTUAL_ENV/kernels" "$VIRTUAL_ENV/bin/python" -P -m model.fused --build ;; \
+        *) echo "no fused-kernel variants for $(uname -m): the image decodes on tensor operations" ;; \
+    esac
 
 
 FROM ${PYTHON_IMAGE} AS runtime
@@ -52,7 +64,8 @@ ENV VIRTUAL_ENV=/opt/venv \
     XDG_CACHE_HOME=/tmp/.cache \
     TRANSLATOR_HOST=0.0.0.0 \
     TRANSLATOR_PORT=8000 \
-    TRANSLATOR_WEIGHTS_DIR=/app/weights
+    TRANSLATOR_WEIGHTS_DIR=/app/weights \
+    TORCH_EXTENSIONS_DIR=/opt/venv/kernels
 # mimalloc: `translator serve` re-executes itself on it (TRANSLATOR_MALLOC=auto; model/allocator.py):
 # lower batch memory than glibc's malloc at the same speed (docs/benchmarks.md "The allocator").
 # A runtime library, so the runtime stage installs it; the base image's Debian release fixes its version.

@@ -19,18 +19,24 @@ The variant is part of the kernel plan (``kernels.choose`` -> ``KernelPlan.fused
 for AVX-512, AVX2 + FMA or the compiler's default instructions, from the CPU's reported features
 and the ISA caps, like every other kernel choice; cached under a name that carries a hash of the
 source. Building needs a C++ compiler (torch's ``cpp_extension``: g++, and ninja, a dependency):
-~20-60 s once per variant and source version (55 s for AVX2 on a 2-core AMD EPYC Zen 3). Where
-it cannot build or load, ``load`` logs why once and returns None, and decoding runs on the tensor
-operations (``checkpoint.load`` then plans float32 without the panels). ``TRANSLATOR_FUSED_STEP=off``
-turns the kernels off.
+~20-60 s once per variant and source version (55 s for AVX2 on a 2-core AMD EPYC Zen 3). A build
+already in the cache is imported as it is, without the compiler: ``python -m model.fused --build``
+compiles every variant ahead of time (the Docker image does, into ``TORCH_EXTENSIONS_DIR``, so its
+runtime needs no compiler). Where the kernels can neither be found nor built, ``load`` logs why
+once and returns None, and decoding runs on the tensor operations (``checkpoint.load`` then plans
+float32 without the panels). ``TRANSLATOR_FUSED_STEP=off`` turns the kernels off.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -97,15 +103,15 @@ def load(variant: str | None) -> ModuleType | None:
 
 
 def buildable(variant: str | None) -> bool:
-    """Whether ``variant``'s kernels are loaded or can be built here: a C++ compiler (``CXX``, else
-    ``c++``) on PATH, unless an earlier attempt failed; cheap, builds nothing. (A build can still
-    fail; ``load`` then logs why and the tensor operations run.)"""
+    """Whether ``variant``'s kernels are loaded or can be here: built already (``_prebuilt``), or
+    a C++ compiler (``CXX``, else ``c++``) on PATH, unless an earlier attempt failed; cheap, builds
+    nothing. (A build can still fail; ``load`` then logs why and the tensor operations run.)"""
     if variant is None:
         return False
     with _lock:
         if variant in _loaded:
             return _loaded[variant] is not None
-    return shutil.which(os.environ.get("CXX", "c++")) is not None
+    return _prebuilt(variant) is not None or shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 def few_rows_limit(variant: str | None) -> int:
@@ -165,21 +171,62 @@ def _clear_stale_lock(lock: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-def _source_digest() -> str:
-    """A short hash of the C++ source: each version of it builds and caches under its own name,
-    so two checkouts (or an upgrade) on one machine never load each other's build."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+def _name(variant: str) -> str:
+    """The extension's name: the variant and a short hash of what its build depends on (the C++
+    source, the flags, torch's version), so two checkouts, an upgrade or another torch on one
+    machine never load each other's build, and a build found under it is the right one."""
+    flags = " ".join([*COMMON_FLAGS, *FLAGS[variant], torch.__version__])
+    return f"translator_step_{variant}_{hashlib.sha256(SOURCE.read_bytes() + flags.encode()).hexdigest()[:12]}"
+
+
+def _build_directory(name: str) -> Path:
+    """Where torch's builder keeps extension ``name`` (``TORCH_EXTENSIONS_DIR``, else a folder of
+    torch's in the user's cache; created by torch where it can)."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(name, verbose=False))
+
+
+def _prebuilt(variant: str) -> Path | None:
+    """The compiled library of ``variant`` in the extension cache, where a build left one."""
+    try:
+        name = _name(variant)
+        library = _build_directory(name) / f"{name}.so"
+    except OSError:  # no source (an install without it), a cache folder that cannot be made: nothing to find
+        return None
+    return library if library.is_file() else None
+
+
+def _import_prebuilt(variant: str) -> ModuleType | None:
+    """``variant``'s build from the cache, imported as it is (no compiler, no ninja), or None
+    where there is none or it does not import (logged; then it is built again)."""
+    library = _prebuilt(variant)
+    if library is None:
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(library.stem, library)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError, AssertionError) as err:
+        log.warning("fused decoder-step kernels (%s): %s does not load (%s); building again", variant, library, err)
+        return None
+    return module
 
 
 def _build(variant: str) -> ModuleType | None:
     if variant not in FLAGS:
         raise ValueError(f"unknown fused-step variant {variant!r}; one of {', '.join(FLAGS)}")
     start = time.perf_counter()
+    found = _import_prebuilt(variant)
+    if found is not None:
+        log.info("fused decoder-step kernels (%s) loaded from %s", variant, found.__file__)
+        return found
     _find_ninja()
     try:
         from torch.utils import cpp_extension
 
-        name = f"translator_step_{variant}_{_source_digest()}"  # (no source in an install without it: logged)
+        name = _name(variant)  # (no source in an install without it: logged)
 
         _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
         module = cpp_extension.load(
@@ -200,3 +247,68 @@ def _build(variant: str) -> ModuleType | None:
         return None
     log.info("fused decoder-step kernels (%s) ready in %.1f s", variant, time.perf_counter() - start)
     return module
+
+
+def _compile(variant: str) -> Path:
+    """Compile ``variant`` into the extension cache exactly as ``load`` does (torch's builder, the
+    same name, flags and folder), without importing it: a build machine may not run the
+    instructions of every variant it builds (AVX-512 on an AVX2 CPU). -> the library."""
+    from torch.utils import cpp_extension
+
+    _find_ninja()
+    name = _name(variant)
+    directory = _build_directory(name)
+    _clear_stale_lock(directory / "lock")
+    cpp_extension._write_ninja_file_and_build_library(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=[*COMMON_FLAGS, *FLAGS[variant]],
+        extra_cuda_cflags=[],
+        extra_sycl_cflags=[],
+        extra_ldflags=[],
+        extra_include_paths=[],
+        build_directory=str(directory),
+        verbose=False,
+        with_cuda=False,
+        with_sycl=False,
+    )
+    return directory / f"{name}.so"
+
+
+# the variants a CPU of each torch capability runs (torch.backends.cpu.get_cpu_capability())
+_RUNS_ON = {"AVX512": ("avx512", "avx2", "baseline"), "AVX2": ("avx2", "baseline")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m model.fused --build [VARIANT ...]``: compile the kernels ahead of time into
+    torch's extension cache (``TORCH_EXTENSIONS_DIR``), every variant by default (each in a
+    process of its own, at the same time), so processes that use them later need no compiler;
+    those this CPU can run are imported as a check. Exits non-zero when one does not build."""
+    parser = argparse.ArgumentParser(description="Build the fused decoder-step kernels ahead of time.")
+    parser.add_argument("--build", nargs="*", choices=list(FLAGS), metavar="VARIANT", required=True,
+                        help=f"variants to build (default: all of {', '.join(FLAGS)})")  # fmt: skip
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    variants = args.build or list(FLAGS)
+    if len(variants) == 1:
+        variant = variants[0]
+        start = time.perf_counter()
+        try:
+            library = _compile(variant)
+        except Exception as err:  # the compiler's message is in the log above
+            sys.exit(f"fused decoder-step kernels did not build: {variant} ({str(err).strip()[:300]})")
+        runs_here = variant in _RUNS_ON.get(torch.backends.cpu.get_cpu_capability(), ("baseline",))
+        if runs_here and _import_prebuilt(variant) is None:
+            sys.exit(f"fused decoder-step kernels did not load: {variant}")
+        seconds, note = time.perf_counter() - start, "" if runs_here else " (not run here)"
+        log.info("%s: %s in %.0f s%s", variant, library, seconds, note)
+        return
+    python = [sys.executable, *(["-P"] if sys.flags.safe_path else [])]  # (-P: as this process imports)
+    builds = {v: subprocess.Popen([*python, "-m", "model.fused", "--build", v]) for v in variants}
+    failed = [variant for variant, build in builds.items() if build.wait() != 0]
+    if failed:
+        sys.exit(f"fused decoder-step kernels did not build: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

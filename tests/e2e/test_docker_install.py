@@ -10,6 +10,7 @@ torch 2.13.0 comes from PyTorch's CPU index, or from a local wheel where that in
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from model import kernels
 from tests.conftest import SHIPPED
 from tests.deploy.dockerfile import Replay, exec_form, healthcheck_command, host_env, parse
 from tests.helpers import ROOT, free_port, stop, wait_ready
@@ -67,7 +69,8 @@ def image_server(installed: Installed) -> Iterator[str]:
     cmd = runtime.last("CMD")
     assert cmd is not None
     port = free_port()
-    env = {**installed.env, "TRANSLATOR_HOST": "127.0.0.1", "TRANSLATOR_PORT": str(port), "TRANSLATOR_THREADS": "1"}
+    env = {**installed.env, "TRANSLATOR_HOST": "127.0.0.1", "TRANSLATOR_PORT": str(port), "TRANSLATOR_THREADS": "1",
+           "CXX": "/nonexistent/c++"}  # fmt: skip  # (the runtime image has no compiler)
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(
             exec_form(cmd.value), cwd=installed.workdir, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -116,6 +119,19 @@ def test_image_command_serves_translations(image_server: str) -> None:
     assert isinstance(texts, list) and len(texts) == 2
     viewer = httpx.get(f"{image_server}/", timeout=10)
     assert viewer.status_code == 200 and "<html" in viewer.text.lower(), "static files missing from the wheel"
+
+
+def test_image_runs_the_fused_kernels_built_by_the_builder(installed: Installed, image_server: str) -> None:
+    """The builder compiles every x86 variant of the fused kernels into the venv; the runtime (no
+    compiler: its server runs with ``CXX`` pointing nowhere) loads its CPU's variant from there."""
+    if platform.machine() != "x86_64":
+        pytest.skip(f"no fused-kernel variants for {platform.machine()}")
+    cache = Path(installed.env["TORCH_EXTENSIONS_DIR"])
+    assert cache.is_relative_to(Path(installed.env["VIRTUAL_ENV"])), "the kernels travel with the venv"
+    built = sorted(library.name.split("_")[2] for library in cache.glob("*/translator_step_*.so"))
+    assert built == ["avx2", "avx512", "baseline"], built
+    direction = httpx.get(f"{image_server}/info", timeout=10).json()["directions"][0]
+    assert direction["fused_step"] == kernels.fused_variant(kernels.detected()), direction
 
 
 def test_image_healthcheck_passes_when_ready_and_fails_without_server(installed: Installed, image_server: str) -> None:

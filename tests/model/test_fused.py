@@ -21,7 +21,7 @@ from model.shortlist import Vocabulary
 from model.step import DecoderStep, EncoderPass, bound_passes
 from model.transformer import Transformer
 from model.translator import Translator
-from tests.conftest import require
+from tests.conftest import ROOT, require
 from tests.factories import V, assert_steps_match, make_model
 from tests.model.test_decoding import sources
 
@@ -587,6 +587,43 @@ def test_shortlist_candidates_are_the_tensor_operations_ones(shipped: Path) -> N
     assert len(fast) == len(plain) == 5
     for a, b in zip(fast, plain, strict=True):
         assert torch.equal(a, b)
+
+
+_LOAD_WITHOUT_COMPILER = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+from model import fused
+print("buildable", fused.buildable(sys.argv[1]))
+print("module", fused.load(sys.argv[1]).__file__)
+"""
+
+
+def test_a_build_in_the_cache_loads_without_a_compiler_or_ninja() -> None:
+    """What the Docker image relies on (its runtime has no compiler): a process finds the
+    kernels already built in the extension cache and imports them as they are, with no C++
+    compiler (``CXX`` pointing nowhere) and no ninja on PATH."""
+    import os
+    import subprocess
+
+    variant = built(kernels.fused_variant(HERE))  # (in this process's cache: the child reads the same)
+    env = {**os.environ, "CXX": "/nonexistent/c++", "PATH": "/nonexistent", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_COMPILER, variant], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert "buildable True" in lines, run.stdout
+    module = next(line.split(" ", 1)[1] for line in lines if line.startswith("module "))
+    assert module == str(fused._prebuilt(variant)) and f"({variant}) loaded from" in run.stdout
+
+
+def test_ahead_of_time_builds_report_what_did_not_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m model.fused --build``: a variant the compiler refuses fails the command (the
+    Docker build stops there), naming it; one that builds (or is built already) passes."""
+    monkeypatch.setitem(fused.FLAGS, "broken", ["-fno-such-option-anywhere"])
+    monkeypatch.setattr(fused, "_loaded", {})
+    with pytest.raises(SystemExit, match="did not build: broken"):
+        fused.main(["--build", "broken"])
+    fused.main(["--build", built(kernels.fused_variant(HERE))])
 
 
 def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -72,7 +72,9 @@ def test_plan_follows_the_capability_table(cpu: str, precision: str, kernel: str
 
 
 @pytest.mark.parametrize("cpu", ["avx512-bf16", "avx2", "intel-avx512-bf16", "intel-avx2", "baseline"])
-def test_float32_runs_on_panels_wherever_the_fused_kernels_can_build(cpu: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_float32_runs_on_panels_wherever_the_fused_kernels_can_build(
+    cpu: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """With a C++ compiler, float32 on any CPU with AVX2 and FMA, Intel's or not, runs its layers
     on the fused kernels' panels (``panels``); without one (``CXX`` not found, nothing built yet)
     the plan falls back to the table's (MKL on Intel, oneDNN elsewhere); the other precisions and
@@ -88,7 +90,8 @@ def test_float32_runs_on_panels_wherever_the_fused_kernels_can_build(cpu: str, m
     assert plan.describe().startswith("float32 on cpu via panels, fused step kernels")
     assert kernels.choose("cpu", "int8", features, engines=("fbgemm",), fused=True).kernel == "fbgemm-int8"
     assert kernels.choose("cpu", "float32", features, fused=False).kernel != "panels"
-    monkeypatch.setattr(fused, "_loaded", {})  # nothing built in this process, and no compiler found
+    monkeypatch.setattr(fused, "_loaded", {})  # nothing built in this process or in the cache, no compiler found
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     assert not fused.buildable(variant)
     fallback = "aten" if features.intel or not torch.backends.mkldnn.is_available() else "onednn"
