@@ -188,13 +188,14 @@ def _build_directory(name: str) -> Path:
 
 
 def _prebuilt(variant: str) -> Path | None:
-    """The compiled library of ``variant`` in the extension cache, where a build left one."""
+    """The compiled library of ``variant`` in the extension cache, where a build left one (not
+    while a build holds the folder's lock: the library may be half written; ``load`` waits)."""
     try:
         name = _name(variant)
         library = _build_directory(name) / f"{name}.so"
     except OSError:  # no source (an install without it), a cache folder that cannot be made: nothing to find
         return None
-    return library if library.is_file() else None
+    return library if library.is_file() and not (library.parent / "lock").exists() else None
 
 
 def _import_prebuilt(variant: str) -> ModuleType | None:
