@@ -8,7 +8,8 @@ lengths (encoder activations, cross-attention K/V, fbgemm's int32 accumulators) 
 next batch's do not fit: after a pass over test_2016 in batches of 64 the heap held 44-52 MiB
 resident against a live peak of 19-26 MiB. mimalloc's size-segregated pages reuse them:
 ``bench.decode`` peaks fell 15-49 MiB in three of four cells (int8 greedy, int8 and float32 beam 4)
-at the same speed (docs/benchmarks.md "The allocator"). Under glibc (``TRANSLATOR_MALLOC=glibc``,
+at the same speed (docs/benchmarks.md "The allocator"); loading, whose temporaries mimalloc would
+keep, runs with them handed back as they are freed (``freeing_at_once``). Under glibc (``TRANSLATOR_MALLOC=glibc``,
 or no mimalloc installed):
 
 torch's CPU allocator has no cache: every tensor is a fresh ``malloc``. glibc serves blocks
