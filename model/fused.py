@@ -171,11 +171,16 @@ def _clear_stale_lock(lock: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
+def _cflags(variant: str) -> list[str]:
+    """What ``variant`` is compiled with (``load``'s build and ``_compile``; hashed into ``_name``)."""
+    return [*COMMON_FLAGS, *FLAGS[variant]]
+
+
 def _name(variant: str) -> str:
     """The extension's name: the variant and a short hash of what its build depends on (the C++
     source, the flags, torch's version), so two checkouts, an upgrade or another torch on one
     machine never load each other's build, and a build found under it is the right one."""
-    flags = " ".join([*COMMON_FLAGS, *FLAGS[variant], torch.__version__])
+    flags = " ".join([*_cflags(variant), torch.__version__])
     return f"translator_step_{variant}_{hashlib.sha256(SOURCE.read_bytes() + flags.encode()).hexdigest()[:12]}"
 
 
@@ -229,11 +234,11 @@ def _build(variant: str) -> ModuleType | None:
 
         name = _name(variant)  # (no source in an install without it: logged)
 
-        _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
+        _clear_stale_lock(_build_directory(name) / "lock")
         module = cpp_extension.load(
             name=name,
             sources=[str(SOURCE)],
-            extra_cflags=[*COMMON_FLAGS, *FLAGS[variant]],
+            extra_cflags=_cflags(variant),
             verbose=False,
         )
     except Exception as err:  # no compiler, no ninja, a read-only cache: the tensor operations run instead
@@ -263,7 +268,7 @@ def _compile(variant: str) -> Path:
     cpp_extension._write_ninja_file_and_build_library(
         name=name,
         sources=[str(SOURCE)],
-        extra_cflags=[*COMMON_FLAGS, *FLAGS[variant]],
+        extra_cflags=_cflags(variant),
         extra_cuda_cflags=[],
         extra_sycl_cflags=[],
         extra_ldflags=[],

@@ -127,7 +127,7 @@ def test_mimalloc_is_preloaded_and_hands_a_freed_burst_back() -> None:
 
 _INTERLEAVED = """
 import ctypes, torch
-from model.allocator import freeing_at_once, release_free_memory
+from model.allocator import _MI_DECOMMIT_DELAY, freeing_at_once, release_free_memory
 from tests.helpers import rss_mib
 def churn():
     # as loading does: temporaries freed between blocks that stay (the packed weights)
@@ -139,11 +139,11 @@ def churn():
     del temps
     release_free_memory()
     return kept, before - rss_mib()
-delay = ctypes.CDLL(None).mi_option_get(15)
+delay = ctypes.CDLL(None).mi_option_get(_MI_DECOMMIT_DELAY)
 kept_before, returned_after = churn()
 with freeing_at_once() as applied:
     kept_within, returned_within = churn()
-print(applied, returned_after, returned_within, ctypes.CDLL(None).mi_option_get(15) == delay)
+print(applied, returned_after, returned_within, ctypes.CDLL(None).mi_option_get(_MI_DECOMMIT_DELAY) == delay)
 """
 
 
