@@ -204,6 +204,10 @@ class DirectionInfo(BaseModel):
         description="the fused decoder-step kernels running (model.fused: avx512, avx2 or baseline build); "
         "null where they are off (TRANSLATOR_FUSED_STEP=off), do not apply, or could not be built"
     )
+    kv_cache: str = Field(
+        description="the dtype the decoder's K/V cache is stored in: float16 under int8 where the fused kernels "
+        "convert with F16C (half the memory), else the activations' (float32 on the CPU)"
+    )
     max_source_tokens: int
     recommended_decoding: dict[str, Any] = Field(description="the model card's decoding options")
     quality: dict[str, Any] = Field(description="measured scores (metrics.json)")

@@ -29,6 +29,7 @@ from model.attention_words import merge_pieces, word_alignment
 from model.decoding import DecodingOptions, Hypothesis
 from model.kernels import KernelPlan
 from model.precision import resolve_precision
+from model.step import step_dtype
 from model.translator import AttentionResult, Translator
 
 log = logging.getLogger(__name__)
@@ -372,6 +373,7 @@ class TranslationService:
             "step_kernel": self.plan.step,
             "cpu_isa": self.plan.isa if self.device.type == "cpu" else None,
             "fused_step": self.translator.model.fused_step,
+            "kv_cache": str(self.translator.model.kv_dtype or step_dtype(self.translator.model)).removeprefix("torch."),
             "max_source_tokens": self.translator.max_source_tokens,
             "recommended_decoding": checkpoint.recommended_decoding(self.meta, self.direction),
             "quality": self.quality,

@@ -54,8 +54,8 @@ Variant = Literal["avx512", "avx2", "baseline"]
 
 # What each variant is compiled with (its name is part of the extension's, so each is cached apart).
 FLAGS: dict[str, list[str]] = {
-    "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
-    "avx2": ["-mavx2", "-mfma"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "baseline": [],
 }
 # Products of at most this many rows run on the kernels' own ``linear`` (the weights streamed with

@@ -21,7 +21,9 @@ On CUDA every precision but int8 uses ``F.linear`` (cuBLAS); int8 there is refus
 
 Between its matrix products the decoder step runs the fused kernels of ``model.fused`` where the
 plan names them (``KernelPlan.fused``: CPU plans with float32 activations, i.e. float32 and int8),
-built for AVX-512, AVX2 + FMA or the compiler's default instructions (``fused_variant``).
+built for AVX-512, AVX2 + FMA or the compiler's default instructions (``fused_variant``). On int8
+plans those kernels keep the decoder's K/V cache in float16 where the CPU converts with F16C
+(``KernelPlan.kv_dtype``, ``kv_cache_dtype``): half the cache's memory; float32 keeps float32.
 
 Features come from /proc/cpuinfo (the hardware, which is what torch's own checks read),
 and the vendor (``vendor_id``: MKL, Intel's library, runs its fast paths on Intel CPUs only),
@@ -92,6 +94,7 @@ class CpuFeatures:
     avx_ne_convert: bool = False
     avx512_vnni: bool = False
     intel: bool = False  # vendor_id GenuineIntel: where MKL runs its own fast paths
+    f16c: bool = False  # float16 <-> float32 conversions in 8 lanes: the fused kernels' float16 KV cache
 
     @classmethod
     def from_flags(cls, flags: Iterable[str], vendor: str = "") -> CpuFeatures:
@@ -105,6 +108,7 @@ class CpuFeatures:
             avx_ne_convert="avx_ne_convert" in f,
             avx512_vnni="avx512_vnni" in f,
             intel=vendor == "GenuineIntel",
+            f16c="f16c" in f,
         )
 
     @classmethod
@@ -134,7 +138,7 @@ class CpuFeatures:
             if not onednn.startswith("AVX2"):  # AVX2_VNNI_2 keeps AVX-NE-CONVERT
                 out = replace(out, avx_ne_convert=False)
         if onednn.startswith("SSE") or onednn == "AVX" or aten == "default":
-            out = replace(out, avx2=False, fma=False)
+            out = replace(out, avx2=False, fma=False, f16c=False)
         return out
 
     def __and__(self, other: CpuFeatures) -> CpuFeatures:
@@ -149,8 +153,8 @@ class CpuFeatures:
         return "avx2" if self.avx2 else "baseline"
 
 
-AVX512_BF16 = CpuFeatures(True, True, True, True, False, True)  # e.g. AMD Zen 4/5
-AVX2_ONLY = CpuFeatures(avx2=True, fma=True)  # e.g. AMD EPYC Naples (Zen 1), Intel Haswell
+AVX512_BF16 = CpuFeatures(True, True, True, True, False, True, f16c=True)  # e.g. AMD Zen 4/5
+AVX2_ONLY = CpuFeatures(avx2=True, fma=True, f16c=True)  # e.g. AMD EPYC Naples (Zen 1), Intel Haswell
 BASELINE = CpuFeatures()  # no AVX2: old x86, or another architecture
 
 
@@ -176,6 +180,9 @@ class KernelPlan:
     warning: str | None = None  # logged once when the plan is installed
     step_kernel: KernelName | None = None  # the decoder step's layers, where not ``kernel``
     fused: str | None = None  # the fused decoder-step kernels' variant (``model.fused``); None: not used
+    # the decoder's K/V cache where not in the activations' dtype: float16 on int8 plans whose fused
+    # kernels convert with F16C (``kv_dtype``); None: the activations' dtype
+    kv_dtype: torch.dtype | None = None
 
     @property
     def step(self) -> KernelName:
@@ -185,7 +192,8 @@ class KernelPlan:
     def describe(self) -> str:
         step = f", decoder steps via {self.step_kernel}" if self.step_kernel else ""
         fused = f", fused step kernels ({self.fused})" if self.fused else ""
-        return f"{self.precision} on {self.device} via {self.kernel}{step}{fused} ({self.isa})"
+        kv = f", {str(self.kv_dtype).removeprefix('torch.')} KV cache" if self.kv_dtype is not None else ""
+        return f"{self.precision} on {self.device} via {self.kernel}{step}{fused}{kv} ({self.isa})"
 
 
 def fused_variant(features: CpuFeatures) -> str:
@@ -212,12 +220,24 @@ def choose(
     """
     use = fused_enabled() if fused is None else fused
     on_cpu = torch.device(device).type == "cpu"
-    variant = fused_variant(features if features is not None else detected()) if use and on_cpu else None
+    f = features if features is not None else detected()
+    variant = fused_variant(f) if use and on_cpu else None
     panels = variant is not None and precision == "float32" and panel_rows_limit(variant) > 0 and buildable(variant)
     plan = _choose(device, precision, features, engines, panels)
     if variant is not None and plan.dtype == torch.float32:
-        plan = replace(plan, fused=variant)
+        plan = replace(plan, fused=variant, kv_dtype=kv_cache_dtype(plan.precision, variant, f))
     return plan
+
+
+def kv_cache_dtype(precision: str, variant: str, features: CpuFeatures) -> torch.dtype | None:
+    """The decoder's K/V cache storage where not the activations' float32: float16 for int8 on
+    the AVX2 and AVX-512 builds of the fused kernels where the CPU converts with F16C (the
+    products are int8 already; the cache, the largest part of a batch's working memory, then
+    takes half of it: docs/benchmarks.md "A float16 KV cache for int8"). float32 stays float32
+    throughout; the baseline build would convert one element at a time."""
+    if precision == "int8" and variant in ("avx2", "avx512") and features.f16c:
+        return torch.float16
+    return None
 
 
 def _choose(
@@ -661,6 +681,8 @@ def install(model: nn.Module, plan: KernelPlan, step_layers: Iterable[nn.Module]
             setattr(module, "kernel", step if id(module) in in_step else kernel)  # noqa: B010 (nn.Module's __setattr__ types say Tensor | Module)
     if hasattr(model, "fused_step"):  # a Transformer: the decoder step's fused kernels, built now if need be
         setattr(model, "fused_step", plan.fused if load_fused(plan.fused) is not None else None)  # noqa: B010
+        # the cache's dtype is the fused kernels' to read: the tensor operations keep the activations'
+        setattr(model, "kv_dtype", plan.kv_dtype if model.fused_step is not None else None)  # noqa: B010
     if plan.warning:
         log.warning("%s", plan.warning)
     log.info("linear kernels: %s", plan.describe())

@@ -317,6 +317,8 @@ class DecoderStep:
         self._memory: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (mask, its bias)
         # for the fused kernels: the scale as the float they take; the memory mask's rows
         self.scale_value = 1.0 / math.sqrt(self.head_dim)
+        # the K/V cache in float16 (int8 plans: kernels.KernelPlan.kv_dtype), for the fused kernels only
+        self.half_cache = self.fused is not None and model.kv_dtype == torch.float16
         self._memory_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (mask, mask[:, 0, 0])
 
     def _memory_bias(self, memory_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -329,13 +331,15 @@ class DecoderStep:
 
     def project_memory(self, memory: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """memory (B, S, D) -> every layer's cross-attention K, V, each (B, H, S, Dh) and
-        contiguous: ``Transformer.project_memory`` on the bound kernels, one copy a layer."""
+        contiguous: ``Transformer.project_memory`` on the bound kernels, one copy a layer; in
+        float16 where the model's cache is (``half_cache``: the self-attention cache follows
+        their dtype, ``LayerCache``)."""
         b, s, d = memory.shape
         flat = memory.reshape(b * s, d)
         projected = []
         for kv in self.cross_kv:
             if self.fused is not None:  # one call instead of a view, a permute, a copy and two selects
-                k, v = self.fused.split_kv(kv(flat, False), b, self.heads)
+                k, v = self.fused.split_kv(kv(flat, False), b, self.heads, self.half_cache)
                 projected.append((k, v))
                 continue
             both = kv(flat, False).view(b, s, 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).contiguous()
@@ -632,6 +636,7 @@ def _bound_under(model: Transformer, parameters: list[nn.Parameter]) -> tuple[ob
     return (
         uses_kernels(_device(model)),
         model.fused_step,
+        model.kv_dtype,
         id(model.kernel),
         tuple((p.data_ptr(), -1 if p.is_inference() else p._version) for p in parameters),
     )
@@ -640,7 +645,7 @@ def _bound_under(model: Transformer, parameters: list[nn.Parameter]) -> tuple[ob
 def bound_passes(model: Transformer) -> tuple[EncoderPass, DecoderStep]:
     """``model``'s ``EncoderPass`` and ``DecoderStep``, made once and handed to every decoding
     session while what they bound is unchanged: the same kernels path (``uses_kernels``: grad
-    and autocast modes), fused kernels and linear kernel, and every parameter's storage and
+    and autocast modes), fused kernels, KV cache dtype and linear kernel, and every parameter's storage and
     in-place version (a training step, ``load_state_dict`` or ``model.to`` changes them; not
     seen: a parameter replaced by a new object, or one made in inference mode changed in place,
     which has no version counter: build the passes yourself after that). Both

@@ -205,6 +205,9 @@ class Transformer(nn.Module):
         # where the plan names them and they load; model.step.DecoderStep runs its own tensor
         # operations without them.
         self.fused_step: str | None = None
+        # The decoder's K/V cache storage where not the activations' dtype (float16: kernels.KernelPlan.kv_dtype),
+        # set by kernels.install with the fused kernels, which read it; None: the activations' dtype.
+        self.kv_dtype: torch.dtype | None = None
         if not config.share_embeddings:
             self.output = Linear(d, config.tgt_vocab_size, bias=False)
         self.reset_parameters()

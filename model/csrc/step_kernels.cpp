@@ -8,10 +8,14 @@
 // layer norm another (docs/benchmarks.md "The fused step"). Matrix products of a few rows have
 // their own kernel here (see "Matrix products of a few rows"); larger ones stay in torch (MKL).
 //
-// Float32, CPU, contiguous rows; model/fused.py checks what it passes. Work is split over
-// torch's own thread pool (at::parallel_for) only when it is large enough to pay for the split.
+// Float32, CPU, contiguous rows (the KV cache float32 or float16); model/fused.py checks what it
+// passes. Work is split over torch's own thread pool (at::parallel_for) only when it is large
+// enough to pay for the split.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -111,19 +115,64 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
   for (int64_t d = 0; d < n; d++) y[d] += w * x[d];
 }
 
+// The KV cache in float16 (int8 plans: ``KernelPlan.kv_dtype``, half the memory of float32): a
+// float32 row is rounded to nearest-even when stored (torch's ``.half()``) and widened exactly when
+// read, 8 lanes an instruction with F16C (the AVX2 and AVX-512 builds), one by one otherwise.
+inline void widen(const at::Half* x, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+  }
+#endif
+  for (; i < n; i++) out[i] = static_cast<float>(x[i]);
+}
+
+inline void store(const float* x, at::Half* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+#endif
+  for (; i < n; i++) out[i] = static_cast<at::Half>(x[i]);
+}
+
+inline void store(const float* x, float* out, int64_t n) { std::copy(x, x + n, out); }
+
+// a cached row as float32: itself, or widened into `scratch` (Dh floats)
+inline const float* row_of(const float* x, int64_t, float*) { return x; }
+inline const float* row_of(const at::Half* x, int64_t n, float* scratch) {
+  widen(x, scratch, n);
+  return scratch;
+}
+
+// Runs f(T{}) with T the element type of a KV cache tensor: float, or at::Half for float16.
+template <typename F>
+void with_cache_type(const torch::Tensor& t, F&& f) {
+  if (t.scalar_type() == torch::kHalf) {
+    f(at::Half{});
+  } else {
+    f(float{});
+  }
+}
+
 // One query (Dh) over keys/values k[j * ks], v[j * vs] (j < n, those with visible[j] false left
-// out; visible nullptr: none), softmax weights in `p` (n floats), the weighted sum of values into out (Dh).
-inline void attend_one(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t n,
-                       int64_t dh, float scale, const bool* visible, float* p, float* out) {
+// out; visible nullptr: none), stored as T (float, or float16 widened into `scratch`, Dh floats),
+// softmax weights in `p` (n floats), the weighted sum of values into out (Dh).
+template <typename T>
+inline void attend_one(const float* q, const T* k, int64_t ks, const T* v, int64_t vs, int64_t n, int64_t dh,
+                       float scale, const bool* visible, float* p, float* out, float* scratch = nullptr) {
   float top = -INFINITY;
   for (int64_t j = 0; j < n; j++) {
-    p[j] = visible == nullptr || visible[j] ? dot(q, k + j * ks, dh) * scale : -INFINITY;
+    p[j] = visible == nullptr || visible[j] ? dot(q, row_of(k + j * ks, dh, scratch), dh) * scale : -INFINITY;
     top = std::max(top, p[j]);
   }
   const float inv = 1.f / exp_shifted(p, n, top);
   std::fill(out, out + dh, 0.f);
   for (int64_t j = 0; j < n; j++) {
-    if (p[j] != 0.f) axpy(p[j] * inv, v + j * vs, out, dh);
+    if (p[j] != 0.f) axpy(p[j] * inv, row_of(v + j * vs, dh, scratch), out, dh);
   }
 }
 
@@ -258,8 +307,9 @@ void check_rows(const torch::Tensor& t, const char* name) {
 }
 
 void check_cache(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == 4, name,
-              " must be a float32 (rows, heads, positions, head_dim) CPU tensor");
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kHalf) &&
+                  t.dim() == 4,
+              name, " must be a float32 or float16 (rows, heads, positions, head_dim) CPU tensor");
   TORCH_CHECK(t.stride(3) == 1, name, "'s head_dim must be contiguous");
 }
 
@@ -296,29 +346,33 @@ torch::Tensor self_attend(const torch::Tensor& qkv, torch::Tensor k, torch::Tens
     TORCH_CHECK(visible.scalar_type() == torch::kBool && visible.is_contiguous() && visible.numel() == r * (pos + 1),
                 "visible must be a contiguous (R, pos + 1) bool tensor");
   }
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "self_attend: k and v must have one dtype");
   auto out = torch::empty({r, d}, qkv.options());
   const float* in = qkv.data_ptr<float>();
-  float* kp = k.data_ptr<float>();
-  float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const bool* vis = masked ? visible.data_ptr<bool>() : nullptr;
   const int64_t k0 = k.stride(0), k1 = k.stride(1), k2 = k.stride(2);
   const int64_t v0 = v.stride(0), v1 = v.stride(1), v2 = v.stride(2);
   const int64_t n = pos + 1;
   const int64_t grain = std::max<int64_t>(1, kGrainWork / (2 * n * dh));
-  at::parallel_for(0, r * h, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(n);
-    for (int64_t i = begin; i < end; i++) {
-      const int64_t row = i / h, head = i % h;
-      const float* q = in + row * 3 * d + head * dh;
-      float* kb = kp + row * k0 + head * k1;
-      float* vb = vp + row * v0 + head * v1;
-      std::copy(q + d, q + d + dh, kb + pos * k2);
-      std::copy(q + 2 * d, q + 2 * d + dh, vb + pos * v2);
-      float* o = op + row * d + head * dh;
-      const bool* row_vis = vis == nullptr ? nullptr : vis + row * n;
-      attend_one(q, kb, k2, vb, v2, n, dh, (float)scale, row_vis, p.data(), o);
-    }
+  with_cache_type(k, [&](auto type) {
+    using T = decltype(type);
+    T* kp = static_cast<T*>(k.data_ptr());
+    T* vp = static_cast<T*>(v.data_ptr());
+    at::parallel_for(0, r * h, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> p(n + dh);  // the softmax weights, then a float16 row widened
+      for (int64_t i = begin; i < end; i++) {
+        const int64_t row = i / h, head = i % h;
+        const float* q = in + row * 3 * d + head * dh;
+        T* kb = kp + row * k0 + head * k1;
+        T* vb = vp + row * v0 + head * v1;
+        store(q + d, kb + pos * k2, dh);
+        store(q + 2 * d, vb + pos * v2, dh);
+        float* o = op + row * d + head * dh;
+        const bool* row_vis = vis == nullptr ? nullptr : vis + row * n;
+        attend_one(q, kb, k2, vb, v2, n, dh, (float)scale, row_vis, p.data(), o, p.data() + n);
+      }
+    });
   });
   return out;
 }
@@ -340,28 +394,32 @@ torch::Tensor cross_attend(const torch::Tensor& q, const torch::Tensor& k, const
                     mask.stride(1) == 1,
                 "mask must be a (B, S) bool tensor with contiguous rows");
   }
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "cross_attend: k and v must have one dtype");
   const int64_t w = r / b;
   auto out = torch::empty({r, d}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const bool* mp = masked ? mask.data_ptr<bool>() : nullptr;
   const int64_t m0 = masked ? mask.stride(0) : 0;
   const int64_t k0 = k.stride(0), k1 = k.stride(1), k2 = k.stride(2);
   const int64_t v0 = v.stride(0), v1 = v.stride(1), v2 = v.stride(2);
   const int64_t grain = std::max<int64_t>(1, kGrainWork / (2 * s * dh));
-  at::parallel_for(0, r * h, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(s);
-    for (int64_t i = begin; i < end; i++) {
-      const int64_t row = i / h, head = i % h, sentence = row / w;
-      const float* qh = qp + row * d + head * dh;
-      const float* kb = kp + sentence * k0 + head * k1;
-      const float* vb = vp + sentence * v0 + head * v1;
-      float* o = op + row * d + head * dh;
-      const bool* row_mask = mp == nullptr ? nullptr : mp + sentence * m0;
-      attend_one(qh, kb, k2, vb, v2, s, dh, (float)scale, row_mask, p.data(), o);
-    }
+  with_cache_type(k, [&](auto type) {
+    using T = decltype(type);
+    const T* kp = static_cast<const T*>(k.data_ptr());
+    const T* vp = static_cast<const T*>(v.data_ptr());
+    at::parallel_for(0, r * h, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> p(s + dh);  // the softmax weights, then a float16 row widened
+      for (int64_t i = begin; i < end; i++) {
+        const int64_t row = i / h, head = i % h, sentence = row / w;
+        const float* qh = qp + row * d + head * dh;
+        const T* kb = kp + sentence * k0 + head * k1;
+        const T* vb = vp + sentence * v0 + head * v1;
+        float* o = op + row * d + head * dh;
+        const bool* row_mask = mp == nullptr ? nullptr : mp + sentence * m0;
+        attend_one(qh, kb, k2, vb, v2, s, dh, (float)scale, row_mask, p.data(), o, p.data() + s);
+      }
+    });
   });
   return out;
 }
@@ -465,9 +523,11 @@ void gather_rows_(const torch::Tensor& src_k, const torch::Tensor& src_v, const 
     TORCH_CHECK(dst->size(0) >= n && dst->size(1) == src->size(1) && dst->size(2) == src->size(2) &&
                     dst->size(3) == src->size(3) && (!skips || dst->size(0) == first.numel()),
                 "gather_rows_: (", dst->sizes(), ") from (", src->sizes(), ")");
-    const int64_t heads = dst->size(1), length = dst->size(2), dh = dst->size(3), total = dst->size(0);
-    const float* from = src->data_ptr<float>();
-    float* to = dst->data_ptr<float>();
+    TORCH_CHECK(dst->scalar_type() == src->scalar_type(), "gather_rows_: source and destination dtypes differ");
+    const int64_t heads = dst->size(1), length = dst->size(2), total = dst->size(0);
+    const int64_t size = dst->element_size(), dh = dst->size(3);  // bytes an element, elements a head's position
+    const char* from = static_cast<const char*>(src->data_ptr());
+    char* to = static_cast<char*>(dst->data_ptr());
     const int64_t s0 = src->stride(0), s1 = src->stride(1), s2 = src->stride(2);
     const int64_t d0 = dst->stride(0), d1 = dst->stride(1), d2 = dst->stride(2);
     const bool whole = s2 == dh && d2 == dh;  // a head's positions are one block
@@ -476,16 +536,16 @@ void gather_rows_(const torch::Tensor& src_k, const torch::Tensor& src_v, const 
       for (int64_t i = begin; i < end; i++) {
         const int64_t lo = skips ? std::clamp<int64_t>(from_position[i], 0, length) : 0;
         for (int64_t h = 0; h < heads; h++) {
-          float* out = to + i * d0 + h * d1;
-          const float* in = i < n ? from + index[i] * s0 + h * s1 : nullptr;
+          char* out = to + (i * d0 + h * d1) * size;
+          const char* in = i < n ? from + (index[i] * s0 + h * s1) * size : nullptr;
           if (whole) {
-            if (in != nullptr) std::memcpy(out + lo * dh, in + lo * dh, (length - lo) * dh * sizeof(float));
-            else std::memset(out + lo * dh, 0, (length - lo) * dh * sizeof(float));
+            if (in != nullptr) std::memcpy(out + lo * dh * size, in + lo * dh * size, (length - lo) * dh * size);
+            else std::memset(out + lo * dh * size, 0, (length - lo) * dh * size);
             continue;
           }
           for (int64_t l = lo; l < length; l++) {
-            if (in != nullptr) std::memcpy(out + l * d2, in + l * s2, dh * sizeof(float));
-            else std::memset(out + l * d2, 0, dh * sizeof(float));
+            if (in != nullptr) std::memcpy(out + l * d2 * size, in + l * s2 * size, dh * size);
+            else std::memset(out + l * d2 * size, 0, dh * size);
           }
         }
       }
@@ -494,28 +554,33 @@ void gather_rows_(const torch::Tensor& src_k, const torch::Tensor& src_v, const 
 }
 
 // The cross-attention keys and values of joining sentences, heads apart: kv (B*S, 2D), each
-// position's key then value projection, heads side by side -> k, v (B, H, S, Dh), contiguous.
-std::vector<torch::Tensor> split_kv(const torch::Tensor& kv, int64_t sentences, int64_t heads) {
+// position's key then value projection, heads side by side -> k, v (B, H, S, Dh), contiguous,
+// float32, or float16 with `half` (the cache's dtype: ``KernelPlan.kv_dtype``).
+std::vector<torch::Tensor> split_kv(const torch::Tensor& kv, int64_t sentences, int64_t heads, bool half) {
   check_rows(kv, "kv");
   const int64_t rows = kv.size(0), d = kv.size(1) / 2, dh = heads > 0 ? d / heads : 0;
   TORCH_CHECK(sentences > 0 && rows % sentences == 0 && heads > 0 && kv.size(1) == 2 * d && dh * heads == d,
               "kv must be (sentences x positions, 2 x heads x head_dim)");
   const int64_t s = rows / sentences;
-  auto k = torch::empty({sentences, heads, s, dh}, kv.options());
-  auto v = torch::empty({sentences, heads, s, dh}, kv.options());
+  const auto options = kv.options().dtype(half ? torch::kHalf : torch::kFloat32);
+  auto k = torch::empty({sentences, heads, s, dh}, options);
+  auto v = torch::empty({sentences, heads, s, dh}, options);
   const float* x = kv.data_ptr<float>();
-  float* kp = k.data_ptr<float>();
-  float* vp = v.data_ptr<float>();
-  for (int64_t b = 0; b < sentences; b++) {
-    for (int64_t h = 0; h < heads; h++) {
-      for (int64_t t = 0; t < s; t++) {
-        const float* row = x + (b * s + t) * 2 * d + h * dh;
-        const int64_t at = ((b * heads + h) * s + t) * dh;
-        std::memcpy(kp + at, row, dh * sizeof(float));
-        std::memcpy(vp + at, row + d, dh * sizeof(float));
+  with_cache_type(k, [&](auto type) {
+    using T = decltype(type);
+    T* kp = static_cast<T*>(k.data_ptr());
+    T* vp = static_cast<T*>(v.data_ptr());
+    for (int64_t b = 0; b < sentences; b++) {
+      for (int64_t h = 0; h < heads; h++) {
+        for (int64_t t = 0; t < s; t++) {
+          const float* row = x + (b * s + t) * 2 * d + h * dh;
+          const int64_t at = ((b * heads + h) * s + t) * dh;
+          store(row, kp + at, dh);
+          store(row + d, vp + at, dh);
+        }
       }
     }
-  }
+  });
   return {k, v};
 }
 
@@ -1105,7 +1170,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("advance", &advance, "one step of beam search's bookkeeping");
   m.def("candidates", &candidates, "each sentence's own shortlist candidates");
   m.def("gather_rows_", &gather_rows_, "the KV cache's reorder: rows gathered, joiners zeroed, keys then values");
-  m.def("split_kv", &split_kv, "joining sentences' cross-attention K and V, heads apart");
+  m.def("split_kv", &split_kv, "joining sentences' cross-attention K and V, heads apart (float16 with half)");
   m.def("join_columns", &join_columns, "sentences join a shortlist's columns: counts, new columns and their rows");
   m.def("own_bias", &own_bias, "a shortlist's bias rows: 0 at each sentence's own columns, -inf elsewhere");
   m.def("linear", &linear, "a linear layer for a few rows: x w^T + bias, optionally ReLU'd");

@@ -33,6 +33,9 @@ def test_int8_is_served_and_reported(shipped: Path) -> None:
         assert reply.status_code == 200 and "dogs" in reply.json()["translatedText"].lower()
         infos = httpx.get(f"{url}/info").json()["directions"]
         assert {(i["dtype"], i["kernel"], i["step_kernel"]) for i in infos} == {("int8", "fbgemm-int8", "fbgemm-int8")}
+        # the K/V cache in float16 where the fused kernels run and convert with F16C (kernels.kv_cache_dtype)
+        half = kernels.choose("cpu", "int8").kv_dtype is not None and all(i["fused_step"] for i in infos)
+        assert {i["kv_cache"] for i in infos} == {"float16" if half else "float32"}
         plan = assign_directions(discover(shipped.parent))  # the many-to-many model serves eight of them
         # int8 scores the whole vocabulary, shortlist shipped or not (its own output projection is faster)
         vocabulary = {f"{s}-{t}": "full" for pairs in plan.values() for s, t in pairs or []}

@@ -269,6 +269,21 @@ def test_the_encoder_runs_its_attention_and_joins_on_the_kernels(variant: str) -
         kernels_module.encoder_attend(qkv, mask[:2], h, 1.0)
 
 
+def test_int8_plans_keep_the_kv_cache_in_float16_where_the_kernels_convert(monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 on the AVX2 and AVX-512 builds with F16C: a float16 KV cache; float32 never; nor
+    without F16C, on the baseline build, or without the fused kernels (which alone read it)."""
+    monkeypatch.delenv(fused.ENV, raising=False)
+    for cpu in (kernels.AVX2_ONLY, kernels.AVX512_BF16):
+        plan = kernels.choose("cpu", "int8", cpu, engines=["fbgemm"])
+        assert plan.kv_dtype == torch.float16 and "float16 KV cache" in plan.describe()
+        assert kernels.choose("cpu", "float32", cpu).kv_dtype is None
+        assert kernels.choose("cpu", "int8", replace(cpu, f16c=False), engines=["fbgemm"]).kv_dtype is None
+        assert kernels.choose("cpu", "int8", cpu, engines=["fbgemm"], fused=False).kv_dtype is None
+    assert kernels.kv_cache_dtype("int8", "baseline", kernels.AVX2_ONLY) is None
+    assert kernels.CpuFeatures.from_flags(["avx2", "fma", "f16c"]).f16c
+    assert not kernels.CpuFeatures.from_flags(["avx2", "fma"]).f16c
+
+
 def test_the_cache_reorder_copies_what_index_select_does() -> None:
     """``gather_rows_``: rows gathered (repeated, dropped), rows after them zeroed, positions
     sliced on both sides; keys copied before values, so values may land where keys were; with
@@ -310,6 +325,43 @@ def test_the_cache_reorder_copies_what_index_select_does() -> None:
         kernels_module.gather_rows_(k, v, rows, dst, dst.clone(), torch.tensor([0, 1]))
 
 
+@pytest.mark.parametrize("variant", RUNNABLE)
+def test_attention_over_a_float16_cache_is_attention_over_its_float32_values(variant: str) -> None:
+    """A float16 KV cache (int8 plans: ``KernelPlan.kv_dtype``): ``self_attend`` stores the new
+    key and value rounded as torch rounds (tails past the 8-lane conversions included), and both
+    attention kernels give, bit for bit, what they give over the cache widened to float32; the
+    reorder copies float16 rows as it copies float32 ones."""
+    kernels_module = fused.load(built(variant))
+    assert kernels_module is not None
+    torch.manual_seed(3)
+    r, h, dh, slots, pos = 6, 4, 12, 9, 5  # head_dim 12: one 8-lane conversion and a tail of 4
+    qkv = torch.randn(r, 3 * h * dh) * 4
+    k16 = (torch.randn(r, h, slots, dh) * 4).half()
+    v16 = (torch.randn(r, h, slots, dh) * 4).half()
+    visible = torch.rand(r, pos + 1) > 0.3
+    visible[:, pos] = True
+    k32, v32 = k16.float(), v16.float()
+    out16 = kernels_module.self_attend(qkv, k16, v16, pos, visible, 0.3)
+    new_k, new_v = qkv[:, h * dh : 2 * h * dh].view(r, h, dh), qkv[:, 2 * h * dh :].view(r, h, dh)
+    assert torch.equal(k16[:, :, pos], new_k.half()) and torch.equal(v16[:, :, pos], new_v.half())
+    rounded = torch.cat([qkv[:, : h * dh], new_k.half().float().view(r, -1), new_v.half().float().view(r, -1)], 1)
+    out32 = kernels_module.self_attend(rounded, k32, v32, pos, visible, 0.3)
+    assert torch.equal(out16, out32) and torch.equal(k32, k16.float())
+    q = torch.randn(r, h * dh)
+    mask = torch.rand(3, slots) > 0.2
+    mask[:, 0] = True
+    cross16 = kernels_module.cross_attend(q, k16[:3], v16[:3], mask, 0.3)  # 3 sentences, 2 rows each
+    assert torch.equal(cross16, kernels_module.cross_attend(q, k32[:3], v32[:3], mask, 0.3))
+    rows = torch.tensor([5, 0, 0])
+    into_k, into_v = torch.full((4, h, slots, dh), float("nan")).half(), torch.empty(4, h, slots, dh).half()
+    kernels_module.gather_rows_(k16, v16, rows, into_k, into_v, torch.empty(0, dtype=torch.long))
+    assert torch.equal(into_k[:3], k16[rows]) and torch.equal(into_v[:3], v16[rows]) and not into_k[3].any()
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernels_module.cross_attend(q, k16[:3], v32[:3], mask, 0.3)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        kernels_module.gather_rows_(k16, v16, rows, into_k.float(), into_v.float(), torch.empty(0, dtype=torch.long))
+
+
 def test_joining_sentences_memory_and_bias_rows_are_the_tensor_operations_ones(shipped: Path) -> None:
     """``split_kv`` (joiners' cross-attention K/V, heads apart) and ``own_bias`` (a shortlist's
     bias rows) give what the tensor operations give."""
@@ -317,8 +369,10 @@ def test_joining_sentences_memory_and_bias_rows_are_the_tensor_operations_ones(s
     assert kernels_module is not None
     kv = torch.randn(3 * 5, 2 * 4 * 8)  # 3 sentences of 5 positions, 4 heads of 8
     both = kv.view(3, 5, 2, 4, 8).permute(2, 0, 3, 1, 4)
-    k, v = kernels_module.split_kv(kv, 3, 4)
+    k, v = kernels_module.split_kv(kv, 3, 4, False)
     assert k.is_contiguous() and torch.equal(k, both[0]) and torch.equal(v, both[1])
+    k16, v16 = kernels_module.split_kv(kv, 3, 4, True)  # the float16 cache's: torch's rounding
+    assert k16.dtype == torch.float16 and torch.equal(k16, both[0].half()) and torch.equal(v16, both[1].half())
     ck = checkpoint.load(shipped, "cpu", "float32")
     translator = Translator(ck.model, ck.tokenizer, (), checkpoint.use_shortlist(ck))
     assert translator.shortlist is not None
@@ -340,6 +394,12 @@ def test_the_shipped_model_translates_the_same_on_both_paths(shipped: Path, data
     variant = built(kernels.fused_variant(HERE))
     ckpt = checkpoint.load(shipped, "cpu", precision)
     assert ckpt.plan.fused == variant and ckpt.model.fused_step == variant
+    # int8: the fused path's KV cache is float16 where the CPU converts with F16C, float32 on the tensor operations'
+    half = precision == "int8" and HERE.f16c and variant != "baseline"
+    assert ckpt.model.kv_dtype == (torch.float16 if half else None)
+    with torch.inference_mode():  # the memory's K/V, which the self-attention cache takes its dtype from
+        (k, v), *_ = bound_passes(ckpt.model)[1].project_memory(torch.randn(2, 5, ckpt.model.config.d_model))
+    assert k.dtype == v.dtype == (torch.float16 if half else torch.float32)
     translator = Translator(ckpt.model, ckpt.tokenizer, (), checkpoint.use_shortlist(ckpt))
     with gzip.open(data_dir / "test_2016_flickr.de.gz", "rt") as f:
         ids = translator.encode([next(f).strip() for _ in range(48)])

@@ -22,13 +22,13 @@ from tests.conftest import require
 from tests.factories import PACKED_FEATURES, assert_steps_match, packed_plan
 
 HERE = kernels.detected()
-SIMULATED = {"avx512-bf16": AVX512_BF16, "avx512-no-bf16": CpuFeatures(True, True, True), "avx2": AVX2_ONLY,
+SIMULATED = {"avx512-bf16": AVX512_BF16, "avx512-no-bf16": CpuFeatures(True, True, True, f16c=True), "avx2": AVX2_ONLY,
              "baseline": BASELINE, "intel-avx512-bf16": replace(AVX512_BF16, intel=True),
              "intel-avx2": replace(AVX2_ONLY, intel=True)}  # fmt: skip
 
 
 def test_features_come_from_cpuinfo_flags_and_respect_isa_caps(tmp_path: Path) -> None:
-    zen5 = "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni sse4_2"
+    zen5 = "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni sse4_2"
     info = tmp_path / "cpuinfo"
     info.write_text(f"processor\t: 0\nflags\t\t: {zen5}\n\nprocessor\t: 1\nflags\t\t: {zen5}\n")
     assert CpuFeatures.detect(info, env={}) == AVX512_BF16
@@ -36,7 +36,7 @@ def test_features_come_from_cpuinfo_flags_and_respect_isa_caps(tmp_path: Path) -
     assert CpuFeatures.detect(info, env={"ATEN_CPU_CAPABILITY": "avx2"}) == AVX2_ONLY
     assert CpuFeatures.detect(info, env={"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}) == AVX512_BF16
     assert CpuFeatures.detect(info, env={"ONEDNN_MAX_CPU_ISA": "SSE41"}) == BASELINE
-    info.write_text("flags\t: fpu sse sse2 avx avx2 fma\n")  # AMD EPYC Naples
+    info.write_text("flags\t: fpu sse sse2 avx f16c avx2 fma\n")  # AMD EPYC Naples
     assert CpuFeatures.detect(info, env={}) == AVX2_ONLY and AVX2_ONLY.isa == "avx2"
     info.write_text(f"vendor_id\t: GenuineIntel\nflags\t\t: {zen5}\n")  # the vendor comes along, caps or not
     assert CpuFeatures.detect(info, env={}) == replace(AVX512_BF16, intel=True)
