@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import os
 import sys
 import threading
 import time
@@ -147,6 +148,50 @@ def test_panel_products_are_torchs_to_float_rounding(variant: str) -> None:
     with pytest.raises(RuntimeError, match="panels must be"):
         other_k = kernels_module.pack_panels(torch.randn(width, 8))
         kernels_module.panel_linear(torch.randn(2, 16), other_k, torch.empty(0), False)
+
+
+@pytest.mark.parametrize("variant", RUNNABLE)
+def test_results_do_not_depend_on_the_threads_that_share_the_work(variant: str) -> None:
+    """The kernels split their work over torch's threads, and each task (a panel, a row and head,
+    a row) is computed alone in a fixed order, so the bits do not depend on the split: a pass's
+    products, attention, joins and cache reorder on 1 thread and on more threads than this machine
+    has cores (which the OS preempts in turn)."""
+    kernels_module = fused.load(built(variant))
+    assert kernels_module is not None
+    torch.manual_seed(1)
+    width = kernels_module.panel_width()
+    panels, bias = kernels_module.pack_panels(torch.randn(64 * width, 256) / 16), torch.randn(64 * width)
+    x, y = torch.randn(256, 256), torch.randn(256, 256)
+    norm = (torch.rand(256) + 0.5, torch.randn(256))
+    qkv, q = torch.randn(256, 768), torch.randn(256, 256)
+    k, v = torch.randn(64, 4, 40, 64), torch.randn(64, 4, 40, 64)
+    mask = torch.rand(64, 40) > 0.1
+    rows = torch.randperm(256) % 200
+
+    def run() -> list[torch.Tensor]:
+        cache_k, cache_v = torch.zeros(256, 4, 24, 64), torch.zeros(256, 4, 24, 64)
+        cache_k[:, :, :20] = torch.randn(256, 4, 20, 64, generator=torch.Generator().manual_seed(2))
+        cache_v[:, :, :20] = 1.0
+        into_k, into_v = torch.empty(256, 4, 24, 64), torch.empty(256, 4, 24, 64)
+        kernels_module.gather_rows_(cache_k, cache_v, rows, into_k, into_v, torch.empty(0, dtype=torch.long))
+        return [
+            kernels_module.panel_linear(x, panels, bias, True),
+            kernels_module.add_norm_(x.clone(), y, *norm, 1e-5),
+            kernels_module.self_attend(qkv, cache_k, cache_v, 20, torch.empty(0, dtype=torch.bool), 0.125),
+            kernels_module.cross_attend(q, k, v, mask, 0.125),
+            into_k,
+            into_v,
+        ]
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = run()
+        torch.set_num_threads(3 * (os.cpu_count() or 1))
+        for _ in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(alone, run(), strict=True))
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_few_row_products_follow_the_variant_and_the_weights() -> None:
