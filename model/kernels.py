@@ -223,7 +223,7 @@ def choose(
     f = features if features is not None else detected()
     variant = fused_variant(f) if use and on_cpu else None
     panels = variant is not None and precision == "float32" and panel_rows_limit(variant) > 0 and buildable(variant)
-    plan = _choose(device, precision, features, engines, panels)
+    plan = _choose(device, precision, f, engines, panels)
     if variant is not None and plan.dtype == torch.float32:
         plan = replace(plan, fused=variant, kv_dtype=kv_cache_dtype(plan.precision, variant, f))
     return plan
