@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Protocol, TypeVar
 from urllib.parse import parse_qs
 
-from fastapi import Depends, Request, Security
-from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import Depends, Request
+from fastapi.security import APIKeyHeader, HTTPBearer
 from pydantic import BaseModel, ValidationError
 
 from app import timing
@@ -46,6 +46,19 @@ FORM = "application/x-www-form-urlencoded"
 KEYS_NOTE = "required only when the server has keys (TRANSLATOR_API_KEYS); also accepted as the body's api_key"
 API_KEY_HEADER = APIKeyHeader(name="X-API-Key", auto_error=False, description=f"API key: {KEYS_NOTE}")
 BEARER = HTTPBearer(auto_error=False, description=f"API key as a bearer token: {KEYS_NOTE}")
+# The key's two headers are read by ``header_key`` (FastAPI's own readers, called directly), not
+# declared as ``Security`` dependencies: each dependency FastAPI resolves costs the event loop
+# per request, and the key's three (its two headers and the settings) were a seventh of a cached
+# translation's CPU time (docs/benchmarks.md "The event loop's time a request"). So the keyed
+# routes state them in the document themselves: ``KEYED`` in their ``openapi_extra``, the
+# schemes in its components (``security_schemes``, added by ``app.main``).
+KEY_SCHEMES = (API_KEY_HEADER, BEARER)
+KEYED: dict[str, Any] = {"security": [{scheme.scheme_name: []} for scheme in KEY_SCHEMES]}
+
+
+def security_schemes() -> dict[str, Any]:
+    """The OpenAPI document's ``components.securitySchemes``: the key's headers."""
+    return {scheme.scheme_name: scheme.model.model_dump(mode="json", by_alias=True, exclude_none=True) for scheme in KEY_SCHEMES}
 
 
 # Dependencies are ``async def`` even where they do not await: FastAPI runs a plain ``def``
@@ -59,13 +72,6 @@ async def get_state(request: Request) -> AppState:
 StateDep = Annotated[AppState, Depends(get_state)]
 
 
-async def get_settings(state: StateDep) -> Settings:
-    return state.settings
-
-
-SettingsDep = Annotated[Settings, Depends(get_settings)]
-
-
 def check_api_key(given: str | None, settings: Settings) -> None:
     """403 unless the key (X-API-Key, Bearer token or api_key field) is configured, when keys
     are required (``api_keys`` set). Otherwise any key passes: a known one (with limits of its
@@ -76,17 +82,19 @@ def check_api_key(given: str | None, settings: Settings) -> None:
         raise ApiError(403, "forbidden", "missing or invalid API key")
 
 
-async def header_api_key(
-    settings: SettingsDep,
-    x_api_key: Annotated[str | None, Security(API_KEY_HEADER)],
-    bearer: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)],
-) -> str | None:
+async def header_key(request: Request, settings: Settings) -> str | None:
     """The key of ``X-API-Key`` or ``Authorization: Bearer``, checked (403) before the body is
     read; None when neither header gives one (the body's ``api_key`` is checked then)."""
-    key = x_api_key or (bearer.credentials if bearer is not None else None)
+    bearer = await BEARER(request)
+    key = await API_KEY_HEADER(request) or (bearer.credentials if bearer is not None else None)
     if key is not None:
         check_api_key(key, settings)
     return key
+
+
+async def header_api_key(request: Request, state: StateDep) -> str | None:
+    """``header_key`` for a route that reads its body itself (/translate_file: 403 before the upload)."""
+    return await header_key(request, state.settings)
 
 
 HeaderKey = Annotated[str | None, Depends(header_api_key)]
@@ -183,8 +191,9 @@ def body(model: type[M]) -> Callable[..., Awaitable[M]]:
     dependency's value per request by the callable, so the route and ``ServiceDep``-style
     dependencies built on it share one body."""
 
-    async def dependency(request: Request, state: StateDep, key: HeaderKey) -> M:
+    async def dependency(request: Request, state: StateDep) -> M:
         settings = state.settings
+        key = await header_key(request, settings)
         data = await read_body(request)
         if key is None:
             given = data.get("api_key")

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from app import errors, openapi, tracing
 from app.cli import version
+from app.deps import security_schemes
 from app.middleware import BodyLimitMiddleware, JsonCorsMiddleware, RequestContextMiddleware
 from app.routes import STATIC, build_router
 from app.settings import Settings
@@ -43,6 +46,16 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     log.info("stopped")
 
 
+def document(app: FastAPI) -> dict[str, Any]:
+    """The OpenAPI document, built once: FastAPI's, with the API key's security schemes (the keyed
+    routes name them in their ``openapi_extra``; they are not dependencies: ``app.deps.KEYED``)."""
+    if app.openapi_schema is None:
+        doc = FastAPI.openapi(app)  # (kept as app.openapi_schema)
+        doc.setdefault("components", {})["securitySchemes"] = security_schemes()
+        return doc
+    return app.openapi_schema
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     state = AppState(settings)
@@ -53,6 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.translator = state
+    app.openapi = functools.partial(document, app)  # type: ignore[method-assign]
     errors.install(app)
     # the request models state this server's limits (its settings, its checkpoints' config.json)
     facts = openapi.model_facts(settings.weights_dir, settings.load_only)
