@@ -58,7 +58,10 @@ KEYED: dict[str, Any] = {"security": [{scheme.scheme_name: []} for scheme in KEY
 
 def security_schemes() -> dict[str, Any]:
     """The OpenAPI document's ``components.securitySchemes``: the key's headers."""
-    return {scheme.scheme_name: scheme.model.model_dump(mode="json", by_alias=True, exclude_none=True) for scheme in KEY_SCHEMES}
+    return {
+        scheme.scheme_name: scheme.model.model_dump(mode="json", by_alias=True, exclude_none=True)
+        for scheme in KEY_SCHEMES
+    }
 
 
 # Dependencies are ``async def`` even where they do not await: FastAPI runs a plain ``def``

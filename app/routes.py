@@ -12,7 +12,7 @@ locals, which FastAPI reads from the signatures at run time.)
 import asyncio
 import functools
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -193,34 +193,41 @@ def limited_options(
 async def until_disconnect(request: Request, state: AppState, work: Awaitable[T]) -> T:
     """Run ``work``; if the client goes away first, cancel it (its sentences leave the queue or
     the running batch). Cancelled itself (the drain timeout), it answers 503. What the service
-    and its scheduler refuse leaves as their own errors (``app.errors.refusal`` answers them)."""
-    task = asyncio.ensure_future(work)
+    and its scheduler refuse leaves as their own errors (``app.errors.refusal`` answers them).
+    ``work`` runs in this request's task, which a watcher of the connection cancels: no task of
+    its own (each task is event-loop time on every request)."""
     current = asyncio.current_task()
-    if current is not None:
-        state.requests.add(current)
+    assert current is not None
+    state.requests.add(current)
+    gone = False
 
     async def disconnected() -> None:
+        nonlocal gone
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        gone = True
+        current.cancel()
 
     watcher = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
     except asyncio.CancelledError:
+        current.uncancel()  # (answered here: the task carries on to send the answer)
+        if gone:
+            raise ApiError(499, "client_closed_request", "the client disconnected") from None
         # the drain timeout passed (AppState.cut_off, or uvicorn's graceful-shutdown timeout):
-        # withdraw the work and answer 503, not uvicorn's 500.
-        task.cancel()
+        # the work is withdrawn (its awaits were cancelled) and the answer is 503, not uvicorn's 500.
         raise ApiError(
             503, "shutting_down", "the service stopped before this request finished", {"Retry-After": "1"}
         ) from None
     finally:
         watcher.cancel()
-        if current is not None:
-            state.requests.discard(current)
-    if not task.done():
-        task.cancel()
-        raise ApiError(499, "client_closed_request", "the client disconnected")
-    return task.result()
+        state.requests.discard(current)
+
+
+async def all_of(work: Sequence[Awaitable[T]]) -> list[T]:
+    """``asyncio.gather`` of ``work``, without a task for a lone awaitable (one source language)."""
+    return [await work[0]] if len(work) == 1 else list(await asyncio.gather(*work))
 
 
 async def translate_texts(payload: TranslateRequest, state: AppState, request: Request) -> TranslateResponse:
@@ -254,7 +261,7 @@ async def translate_texts(payload: TranslateRequest, state: AppState, request: R
         timing.returned()
         return shaped_pages(isinstance(payload.q, str), pages, bool(payload.alternatives), found)
     work = [legs[source].items([texts[i] for i in positions]) for source, positions in groups.items()]
-    done = await until_disconnect(request, state, asyncio.gather(*work))
+    done = await until_disconnect(request, state, all_of(work))
     items: list[ItemResult] = [None] * len(texts)  # type: ignore[list-item]
     for positions, results in zip(groups.values(), done, strict=True):
         for i, item in zip(positions, results, strict=True):
@@ -288,7 +295,7 @@ async def translate_pages(texts: list[str], groups: dict[str, list[int]], legs: 
     """HTML texts through ``app.html``, each source language's through its legs, in order."""
     work = [html.translate_html([texts[i] for i in positions], legs[source]) for source, positions in groups.items()]
     translated: list[str] = [""] * len(texts)
-    for positions, results in zip(groups.values(), await asyncio.gather(*work), strict=True):
+    for positions, results in zip(groups.values(), await all_of(work), strict=True):
         for i, text in zip(positions, results, strict=True):
             translated[i] = text
     return translated

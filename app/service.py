@@ -256,7 +256,8 @@ class TranslationService:
         if not jobs:
             return
         try:
-            await asyncio.wait_for(asyncio.gather(*(j.future for j in jobs)), timeout)
+            async with asyncio.timeout(timeout):
+                await (jobs[0].future if len(jobs) == 1 else asyncio.gather(*(j.future for j in jobs)))
         except TimeoutError:
             self.scheduler.cancel(jobs)
             raise Timeout(timeout) from None
