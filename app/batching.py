@@ -400,7 +400,8 @@ class BatchScheduler:
         encoded = time.perf_counter()
         for job in jobs:
             job.encoded = encoded
-        self.metrics.source_tokens.labels(self.direction).inc(sum(len(job.ids) + 1 for job in jobs))
+        m = self.metrics
+        m.series(m.source_tokens, self.direction).inc(sum(len(job.ids) + 1 for job in jobs))
 
     def _step(self) -> None:
         """One decoder step of the running batch; each sentence done goes to its request at
@@ -418,17 +419,20 @@ class BatchScheduler:
         start = time.perf_counter()
         finished = session.step()
         now = time.perf_counter()
-        m.decode_steps.labels(d).inc()
-        m.decode_step.labels(d).observe(now - start)
+        m.series(m.decode_steps, d).inc()
+        m.series(m.decode_step, d).observe(now - start)
         answers: list[tuple[Job, list[Hypothesis]]] = []
+        tokens = 0
         for done in finished:
             job = self._running.pop(done.tag)
             job.finished = now
             if job.future.cancelled():
                 continue
             best = done.hypotheses[0]
-            m.target_tokens.labels(d).inc(len(best.ids) + int(best.finished))
+            tokens += len(best.ids) + int(best.finished)
             answers.append((job, done.hypotheses))
+        if tokens:
+            m.series(m.target_tokens, d).inc(tokens)
         self._rate.add(len(answers))
         _deliver_all(answers)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -11,6 +13,7 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
+from prometheus_client.metrics import MetricWrapperBase
 
 disable_created_metrics()  # no *_created series: they double the exposition and nobody graphs them
 
@@ -25,6 +28,7 @@ class Metrics:
     """The ``translator_`` families of DESIGN.md. Label values are few and fixed."""
 
     def __init__(self) -> None:
+        self._series: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
@@ -98,3 +102,14 @@ class Metrics:
             ["direction", "device", "dtype", "vocabulary"],
             registry=r,
         )
+
+    def series(self, family: MetricWrapperBase, *labels: str) -> Any:
+        """``family.labels(*labels)``, looked up once: each ``labels`` call checks the values and
+        takes the family's lock, and a request observes a dozen labelled series (its phases).
+        The label values are few (``app.middleware.endpoint_label``, phases, directions), so
+        this dictionary stays small."""
+        key = (family, labels)
+        found = self._series.get(key)
+        if found is None:
+            found = self._series[key] = family.labels(*labels)
+        return found

@@ -75,11 +75,12 @@ class RequestContextMiddleware:
             await self.app(scope, receive, send_with_id)
         finally:
             elapsed = time.perf_counter() - start
-            self.metrics.inflight.dec()
-            self.metrics.requests.labels(endpoint, str(status)).inc()
-            self.metrics.request_duration.labels(endpoint).observe(elapsed)
+            m = self.metrics
+            m.inflight.dec()
+            m.series(m.requests, endpoint, str(status)).inc()
+            m.series(m.request_duration, endpoint).observe(elapsed)
             for name, seconds in request_timing.phases.items():
-                self.metrics.request_phase.labels(endpoint, name).observe(seconds)
+                m.series(m.request_phase, endpoint, name).observe(seconds)
             timing.end(timing_token)
             tracing.record_request(request_timing, time.perf_counter(), scope["method"], endpoint, status, rid)
             log.info(
