@@ -160,3 +160,19 @@ def test_metrics_negotiate_openmetrics_and_gzip(tiny_weights_dir: Path) -> None:
         raw = client.get("/metrics", headers={"accept-encoding": "gzip"})
         assert raw.headers["content-encoding"] == "gzip"  # (httpx has already decoded the body)
         assert "translator_queue_depth" in raw.text
+
+
+def test_a_labelled_series_is_looked_up_once_and_exported_as_labels_gives_it() -> None:
+    from prometheus_client import generate_latest
+
+    from app.metrics import Metrics
+
+    m = Metrics()
+    series = m.series(m.request_phase, "/translate", "decode")
+    assert series is m.series(m.request_phase, "/translate", "decode") is m.request_phase.labels("/translate", "decode")
+    assert m.series(m.request_phase, "/translate", "queue") is not series
+    series.observe(0.02)
+    m.series(m.requests, "/translate", "200").inc(3)
+    text = generate_latest(m.registry).decode()
+    assert 'translator_request_phase_seconds_count{endpoint="/translate",phase="decode"} 1.0' in text
+    assert 'translator_requests_total{endpoint="/translate",status="200"} 3.0' in text
