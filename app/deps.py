@@ -50,10 +50,14 @@ BEARER = HTTPBearer(auto_error=False, description=f"API key as a bearer token: {
 # declared as ``Security`` dependencies: each dependency FastAPI resolves costs the event loop
 # per request, and the key's three (its two headers and the settings) were a seventh of a cached
 # translation's CPU time (docs/benchmarks.md "The event loop's time a request"). So the keyed
-# routes state them in the document themselves: ``KEYED`` in their ``openapi_extra``, the
-# schemes in its components (``security_schemes``, added by ``app.main``).
+# routes state them in the document themselves: ``keyed`` makes their ``openapi_extra``, the
+# schemes go in its components (``security_schemes``, added by ``app.main``).
 KEY_SCHEMES = (API_KEY_HEADER, BEARER)
-KEYED: dict[str, Any] = {"security": [{scheme.scheme_name: []} for scheme in KEY_SCHEMES]}
+
+
+def keyed(extra: dict[str, Any]) -> dict[str, Any]:
+    """A keyed route's ``openapi_extra``: ``extra`` and the key's schemes as its ``security``."""
+    return {**extra, "security": [{scheme.scheme_name: []} for scheme in KEY_SCHEMES]}
 
 
 def security_schemes() -> dict[str, Any]:

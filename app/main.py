@@ -48,7 +48,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 def document(app: FastAPI) -> dict[str, Any]:
     """The OpenAPI document, built once: FastAPI's, with the API key's security schemes (the keyed
-    routes name them in their ``openapi_extra``; they are not dependencies: ``app.deps.KEYED``)."""
+    routes name them in their ``openapi_extra``; they are not dependencies: ``app.deps.keyed``)."""
     if app.openapi_schema is None:
         doc = FastAPI.openapi(app)  # (kept as app.openapi_schema)
         doc.setdefault("components", {})["securitySchemes"] = security_schemes()

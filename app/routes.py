@@ -23,7 +23,7 @@ from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPEN
 from starlette.types import Receive, Scope, Send
 
 from app import attention_view, documents, html, timing, uploads
-from app.deps import KEYED, HeaderKey, StateDep, body, direction_service
+from app.deps import HeaderKey, StateDep, body, direction_service, keyed
 from app.engine import Legs
 from app.errors import BAD_REQUEST, ApiError
 from app.openapi import RequestModels, request_body
@@ -85,14 +85,14 @@ def build_router(models: RequestModels) -> APIRouter:
         "/translate",
         response_model_exclude_none=True,
         responses=AUTO_ERRORS,
-        openapi_extra={**request_body(models.translate), **KEYED},
+        openapi_extra=keyed(request_body(models.translate)),
     )
     async def translate(payload: TranslateBody, state: StateDep, request: Request) -> TranslateResponse:
         """Translate a text or a list of texts (LibreTranslate-compatible). With ``source: "auto"``
         each text's language is detected (``detectedLanguage`` in the answer, one per text)."""
         return await translate_texts(payload, state, request)
 
-    @router.post("/detect", responses=ERRORS, openapi_extra={**request_body(models.detect), **KEYED})
+    @router.post("/detect", responses=ERRORS, openapi_extra=keyed(request_body(models.detect)))
     async def detect(payload: DetectBody, state: StateDep) -> list[DetectionResult]:
         """The language of a text among those this server translates from, most likely first, with
         confidences 0-100 (LibreTranslate's /detect)."""
@@ -104,7 +104,7 @@ def build_router(models: RequestModels) -> APIRouter:
     @router.post(
         "/suggest",
         responses=ERRORS,
-        openapi_extra={**request_body(models.suggest), **KEYED},
+        openapi_extra=keyed(request_body(models.suggest)),
         dependencies=[Depends(suggestions_enabled)],  # 403 before the body is read
     )
     async def suggest(payload: SuggestBody, state: StateDep) -> SuggestResponse:
@@ -112,7 +112,7 @@ def build_router(models: RequestModels) -> APIRouter:
         the server enables suggestions (``TRANSLATOR_SUGGESTIONS``)."""
         return await keep_suggestion(payload, state)
 
-    @router.post("/attention", responses=ERRORS, openapi_extra={**request_body(models.attention), **KEYED})
+    @router.post("/attention", responses=ERRORS, openapi_extra=keyed(request_body(models.attention)))
     async def attention(
         payload: AttentionBody, service: AttentionService, state: StateDep, request: Request
     ) -> AttentionResponse:
@@ -123,7 +123,7 @@ def build_router(models: RequestModels) -> APIRouter:
         "/translate_file",
         response_model_exclude_none=True,
         responses={**AUTO_ERRORS, 415: {"model": ErrorResponse}},
-        openapi_extra={**uploads.upload_body(models.translate), **KEYED},
+        openapi_extra=keyed(uploads.upload_body(models.translate)),
     )
     async def translate_file(request: Request, state: StateDep, key: HeaderKey) -> TranslateFileResponse:
         """Translate a document (LibreTranslate's /translate_file): multipart/form-data with the
