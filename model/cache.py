@@ -68,6 +68,24 @@ class Spare:
         self._buffer = buffer
 
 
+# Moves (target row, source row) that a compaction copies one row at a time; more go through one
+# indexed copy. Each row copy is one small ATen call (~3 us); an indexed copy costs ~40 us a buffer
+# whatever it moves (docs/benchmarks.md "Compaction in place").
+FEW_MOVES = 8
+
+
+def move_rows(buffer: torch.Tensor, moves: list[tuple[int, int]]) -> None:
+    """Row ``target`` of ``buffer`` (first dimension) takes row ``source``, for each (target,
+    source) in ``moves``; no target is another move's source (a compaction's gaps take rows from
+    behind the kept ones), so the order does not matter."""
+    if len(moves) <= FEW_MOVES:
+        for target, source in moves:
+            buffer[target].copy_(buffer[source])
+        return
+    targets, sources = (torch.tensor(side, device=buffer.device) for side in zip(*moves, strict=True))
+    buffer[targets] = buffer[sources]
+
+
 class SelfAttentionCache:
     """One decoder layer's self-attention keys/values: k, v (R, H, length, Dh).
 
@@ -148,6 +166,20 @@ class SelfAttentionCache:
         self._make_room(position + 1)
         self.length = position + 1
         return self._k4, self._v4, position
+
+    def compact(self, moves: list[tuple[int, int]], rows: int, capacity: int | None = None) -> None:
+        """Rows leave in place: row ``target`` takes row ``source``'s positions for each move, then
+        only the first ``rows`` rows stay (the layout keeps its slots; no gather into the spare).
+        What a greedy batch needs when sentences finish: ``reorder`` with those rows gathered
+        would copy every row that stays. ``capacity``: as ``reorder``'s."""
+        assert rows <= self.rows and all(t < rows <= s for t, s in moves), (rows, self.rows, moves)
+        held = self.length
+        for laid_out in (self._k4, self._v4):
+            move_rows(laid_out[:, :, :held] if held < self.slots else laid_out, moves)
+        if capacity is not None:
+            self.capacity = max(capacity, self.slots)
+        self.rows = rows
+        self._lay_out()
 
     def _make_room(self, end: int) -> None:
         """Room for ``end`` positions in the layout (spread out as ``reorder`` grows it)."""
@@ -273,9 +305,8 @@ class CrossAttentionCache:
         assert length is None or length <= self.source, (length, self.source)
         moved = [(i, j) for i, j in enumerate(sentences) if i != j]
         if moved:
-            targets, sources = (torch.tensor(side, device=self._k.device) for side in zip(*moved, strict=True))
             for buffer in (self._k, self._v):
-                buffer[targets] = buffer[sources]
+                move_rows(buffer, moved)
         self.sentences = len(sentences)
         if length is not None:
             self.source = length
@@ -350,6 +381,14 @@ class KVCache:
         assert rows.numel() + add == self.sentences * width, (rows.numel(), add, self.sentences, width)
         for layer in self.layers:
             layer.self_attention.reorder(rows, room, drop, add, capacity, gather, first)
+
+    def compact(self, moves: list[tuple[int, int]], rows: int, capacity: int | None = None) -> None:
+        """Self-attention rows leave in place (see ``SelfAttentionCache.compact``): one row per
+        sentence (greedy), so ``rows`` is the sentences left, whose memory ``select_memory``
+        moved alike."""
+        assert rows == self.sentences, (rows, self.sentences)
+        for layer in self.layers:
+            layer.self_attention.compact(moves, rows, capacity)
 
     def extend_memory(self, cross_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Sentences join: one (K, V) pair per layer, each (B', H, S', Dh). Their self-attention

@@ -156,6 +156,9 @@ class _SentenceRows:
         self.tokens = torch.zeros(0, 1, dtype=torch.long, device=device)  # (A, W) next step's input
         self.beams = Beams(k, pad_id, device, kernels)
         self.gather: torch.Tensor | None = None  # (A*W,) cache rows to gather before the next step
+        # the same gather as (target, source) row moves, where it is only sentences leaving a greedy
+        # batch (no back-pointers): the cache then moves those rows in place (``KVCache.compact``)
+        self.moves: list[tuple[int, int]] | None = None
         self.added = 0  # cache rows to add before the next step
 
     def __len__(self) -> int:
@@ -207,6 +210,8 @@ class _SentenceRows:
         the memory mask narrows to the longest source left, and the cache rows to gather
         follow the sentences."""
         a, w = len(self.tags), self.width
+        in_place = self.gather is None and w == 1
+        self.moves = [(i, j) for i, j in enumerate(kept) if i != j] if in_place else None
         self.tags = [self.tags[i] for i in kept]
         self.start_host = [self.start_host[i] for i in kept]
         self.stop_host = [self.stop_host[i] for i in kept]
@@ -346,7 +351,10 @@ class DecodeSession:
         rows = self._rows
         origin = self.steps - cache.length
         drop = min(rows.start_host) - origin  # positions no active sentence can see
-        if rows.gather is not None or rows.added or drop > 0:
+        if rows.moves is not None and not rows.added and drop == 0:  # greedy rows left: the rest stay in place
+            cache.compact(rows.moves, len(rows), max(rows.stop_host) - origin)
+            rows.gather, rows.moves = None, None
+        elif rows.gather is not None or rows.added or drop > 0:
             gather = rows.gather
             if gather is None:  # rows in place, sentences joined or positions to forget
                 gather = torch.arange(cache.batch_size, device=rows.start.device)
@@ -360,7 +368,7 @@ class DecodeSession:
                 # the fused attention never reads the others (its mask hides them)
                 first = (rows.row_start() - origin).clamp_(min=0)
             cache.reorder(gather, room, drop, rows.added, capacity, width=rows.width, gather=copy, first=first)
-            rows.gather, rows.added = None, 0
+            rows.gather, rows.moves, rows.added = None, None, 0
         return origin
 
     def _mask_late_joiners(self, cache: KVCache, origin: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -417,9 +425,10 @@ class DecodeSession:
         if not finished:
             return [], []
         n_best, alpha = self.options.n_best, self.options.length_penalty
+        hypotheses = rows.beams.hypotheses(finished, n_best, alpha)
         out = [
-            Finished(rows.tags[i], rows.beams.hypotheses(i, n_best, alpha), self.steps - rows.start_host[i])
-            for i in finished
+            Finished(rows.tags[i], best, self.steps - rows.start_host[i])
+            for i, best in zip(finished, hypotheses, strict=True)
         ]
         return finished, out
 

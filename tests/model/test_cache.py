@@ -3,10 +3,21 @@ and added rows, layouts) and cross-attention sentences (joining, leaving), and w
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
-from model.cache import FIRST_SLOTS, CrossAttentionCache, KVCache, LayerCache, SelfAttentionCache, Spare
+from model.cache import (
+    FEW_MOVES,
+    FIRST_SLOTS,
+    CrossAttentionCache,
+    KVCache,
+    LayerCache,
+    SelfAttentionCache,
+    Spare,
+    move_rows,
+)
 from tests.helpers import rss_mib
 
 H, DH = 2, 3
@@ -127,6 +138,57 @@ def test_kv_cache_ties_self_rows_to_cross_sentences() -> None:
     cache.select_memory([0, 2], length=7)  # sentence 1 leaves
     cache.reorder(torch.tensor([0, 1, 2, 6, 7, 8]), room=1, width=3)
     assert (cache.sentences, cache.batch_size) == (2, 6)
+
+
+@pytest.mark.parametrize("leaving", [1, 2 * FEW_MOVES])
+def test_greedy_rows_leave_in_place(leaving: int) -> None:
+    """Sentences leaving a greedy batch: the rows behind fill their gaps in the same buffers (no
+    gather into the spare, the layout's slots kept), the history of every row that stays intact,
+    the next append where it was; the same rows as a reorder gathers, on both halves."""
+    torch.manual_seed(5)
+    n = 3 * leaving
+    memory = torch.randn(n, H, 5, DH)
+    cache = KVCache([LayerCache((memory.clone(), memory.clone()), capacity=30) for _ in range(2)])
+    for _ in range(3):
+        for layer in cache.layers:
+            layer.append_self(step(n), step(n))
+    twin = copy.deepcopy(cache)
+    gone = set(range(0, 2 * leaving, 2))  # every other row of the front leaves
+    kept = [i for i in range(n) if i not in gone]
+    order = list(range(n - leaving))
+    for gap, row in zip(sorted(gone), [i for i in kept if i >= n - leaving], strict=True):
+        order[gap] = row
+    moves = [(i, j) for i, j in enumerate(order) if i != j]
+    assert len(moves) == leaving
+    self_half = cache.layers[0].self_attention
+    buffers, slots = (self_half._k.data_ptr(), self_half._v.data_ptr()), self_half.slots
+    cache.select_memory(order)
+    cache.compact(moves, len(order), capacity=20)
+    twin.select_memory(order)
+    twin.reorder(torch.tensor(order), width=1)
+    assert (self_half._k.data_ptr(), self_half._v.data_ptr()) == buffers and self_half.slots == slots
+    assert (cache.batch_size, cache.sentences, cache.length) == (len(order), len(order), 3)
+    for layer, reference in zip(cache.layers, twin.layers, strict=True):
+        assert torch.equal(layer.self_attention.k, reference.self_attention.k)
+        assert torch.equal(layer.self_attention.v, reference.self_attention.v)
+        assert torch.equal(layer.cross_kv[0], reference.cross_kv[0])
+        k, v = step(len(order)), step(len(order))
+        got_k, got_v = layer.append_self(k, v)
+        want_k, want_v = reference.append_self(k, v)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    with pytest.raises(AssertionError):
+        cache.compact([(0, 1)], len(order) - 1)  # a move's source must be a row that leaves
+
+
+@pytest.mark.parametrize("count", [FEW_MOVES, FEW_MOVES + 1])
+def test_move_rows_one_at_a_time_or_indexed(count: int) -> None:
+    torch.manual_seed(6)
+    buffer = torch.randn(2 * count, 3, 4)
+    moves = [(i, 2 * count - 1 - i) for i in range(count)]
+    expected = buffer.clone()
+    expected[:count] = buffer[torch.arange(2 * count - 1, count - 1, -1)]
+    move_rows(buffer, moves)
+    assert torch.equal(buffer, expected)
 
 
 def test_layers_reorder_through_one_spare_buffer() -> None:
