@@ -390,6 +390,38 @@ def test_an_emptied_session_starts_over() -> None:
         assert session.steps == 0
 
 
+def test_greedy_sentences_leave_without_copying_the_rows_that_stay() -> None:
+    """When sentences finish in a greedy batch, the rows behind them fill their places in the
+    same self-attention buffers (``KVCache.compact``): no step after a departure gathers the
+    cache into another buffer unless its layout had to grow; the hypotheses are those of
+    each sentence alone."""
+    model = make_model(seed=2)
+    rows = sources(12, seed=9, min_len=1, max_len=20)
+    opts = DecodingOptions(beam_size=1)
+    alone = [decode(model, pad([row], 0), opts).hypotheses[0] for row in rows]
+    session = DecodeSession(model, opts)
+    session.admit(pad(rows, 0), list(range(len(rows))))
+    got: dict[int, list] = {}
+    in_place = 0
+    while session.active:
+        left = session.step()
+        got.update({d.tag: d.hypotheses for d in left})
+        if not left or not session.active:
+            continue
+        cache = session._cache
+        assert cache is not None
+        layer = cache.layers[0].self_attention
+        before = (layer._k.data_ptr(), layer.slots)
+        got.update({d.tag: d.hypotheses for d in session.step()})  # its sync moves the rows
+        if session._cache is cache and layer.slots == before[1]:
+            assert layer._k.data_ptr() == before[0]
+            in_place += 1
+    assert in_place >= 2 and sorted(got) == list(range(len(rows)))
+    for i, expected in enumerate(alone):
+        assert [h.ids for h in got[i]] == [h.ids for h in expected], i
+        assert got[i][0].score == pytest.approx(expected[0].score, abs=1e-4)
+
+
 @pytest.mark.parametrize("inference", [True, False], ids=["bound-kernels", "module-linears"])
 def test_the_step_projects_the_memory_as_the_modules_do(inference: bool) -> None:
     """``DecoderStep.project_memory`` (what sessions admit sentences with) = the modules' cross
