@@ -4,10 +4,11 @@
         [--systems ours,ours-full,ctranslate2,ctranslate2-int8,marian,naive] [--weights weights/de-en]
         [--threads 2] [--batch-size 64] [--naive-limit 100] [--dtype float32] [--repeat 3]
         [--rounds 1] [--no-isolate] [--malloc auto|mimalloc|glibc] [--peer-malloc glibc|auto|mimalloc]
+        [--streams 1]
 
 Translates test_2016_flickr de->en and prints one JSON line per system: system, device,
 beam_size, sentences, seconds, sentences_per_s, tokens_per_s, peak_mem_mb, setup_mem_mb, bleu
-(plus batch_size, threads, dtype for context).
+(plus batch_size, threads, streams, dtype for context).
 
 Systems (all load the same checkpoint folder):
 - ``ours``: ``model.decoding`` (batched, KV cache, vectorized beam), scoring the checkpoint's
@@ -15,7 +16,7 @@ Systems (all load the same checkpoint folder):
   ``ours-full`` (not in the default list): the same over the whole vocabulary.
 - ``ctranslate2`` / ``ctranslate2-int8``: the checkpoint converted by
   ``bench.ctranslate2_convert`` into a temporary directory (not timed), run as float32 /
-  with ``compute_type="int8"``; ``inter_threads=1, intra_threads=--threads``.
+  with ``compute_type="int8"``; ``inter_threads=--streams, intra_threads=--threads / --streams``.
 - ``marian``: ``transformers``' ``MarianMTModel.generate`` with our weights mapped by
   ``bench.marian_convert`` (post-LN checkpoints only).
 - ``naive``: ``bench.naive``: one sentence at a time, greedy, no cache, on the first
@@ -46,6 +47,11 @@ translates ``--warmup`` sentences, then times ``--repeat`` passes and reports th
 detokenization (source strings to target strings). This machine's speed drifts by 10-20%
 from minute to minute, so ratios are best read with ``--rounds N``: every system's process
 runs N times, round-robin, and the median round is reported (``rounds_s`` lists them all).
+``--streams N`` (batched systems): the sorted batches are dealt in turn to N threads, each
+decoding its own on ``--threads / N`` threads of arithmetic (ours: a translator of its own each
+with ``torch.set_num_threads`` in its thread; CTranslate2: N replicas, its ``inter_threads``), so
+one stream's bookkeeping overlaps another's matrix products and no thread waits at a parallel
+region's barrier; at 1 (the default) one stream runs every batch on all ``--threads``.
 Systems are not timed in one process: their thread pools (torch's and CTranslate2's OpenMP
 threads spin after each parallel region) slowed whichever ran next by up to 50%.
 
@@ -82,6 +88,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -197,6 +204,7 @@ class Settings:
     batch_size: int
     threads: int
     options: DecodingOptions
+    streams: int = 1  # batches decoded at once, each on threads / streams threads (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -217,26 +225,79 @@ def in_length_order(items: Sequence[T], lengths: Sequence[int], size: int, fn: C
     return [r for r in results if r is not None]
 
 
+def in_streams(
+    items: Sequence[T], lengths: Sequence[int], size: int, streams: Sequence[Callable[[list[T]], list[R]]]
+) -> list[R]:
+    """``in_length_order`` with the sorted chunks dealt in turn to ``streams``, each run on a
+    thread of its own (one stream: on this thread); results in input order."""
+    chunks = list(token_batches(lengths, math.inf, max_items=size))
+    if len(streams) == 1:
+        return in_length_order(items, lengths, size, streams[0])
+    results: list[R | None] = [None] * len(items)
+
+    def run(k: int) -> None:
+        for chunk in chunks[k :: len(streams)]:
+            for i, result in zip(chunk, streams[k]([items[i] for i in chunk]), strict=True):
+                results[i] = result
+
+    errors: list[BaseException] = []
+
+    def guarded(k: int) -> None:
+        try:
+            run(k)
+        except BaseException as err:  # re-raised on the calling thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=guarded, args=(k,), name=f"stream-{k}") for k in range(len(streams))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return [r for r in results if r is not None]
+
+
+def _own_threads(threads: int, fn: Callable[[list[T]], list[R]]) -> Callable[[list[T]], list[R]]:
+    """``fn`` on ``threads`` of torch's threads, set in the calling thread (OpenMP's count is a
+    thread's own), so streams on threads of their own do not share one team."""
+
+    def run(chunk: list[T]) -> list[R]:
+        torch.set_num_threads(threads)
+        return fn(chunk)
+
+    return run
+
+
 def batch_limit(src_lengths: Sequence[int], options: DecodingOptions, cap: int) -> int:
     """Most tokens (EOS included) a batch may generate: ours' limit for its longest source (+EOS)."""
     return max(max_steps([n + 1 for n in src_lengths], options, cap))
 
 
-def setup_ours(ckpt: Checkpoint, batch_size: int, options: DecodingOptions, shortlist: bool = True) -> Translate:
+def setup_ours(
+    ckpt: Checkpoint, batch_size: int, options: DecodingOptions, shortlist: bool = True, streams: int = 1
+) -> Translate:
     """Ours as the service runs it: with the checkpoint's shortlist where it has one (float
-    precisions: ``checkpoint.use_shortlist``), unless ``shortlist`` is False (``ours-full``)."""
+    precisions: ``checkpoint.use_shortlist``), unless ``shortlist`` is False (``ours-full``).
+    ``streams`` > 1: that many translators of the one model, each on its own thread (``in_streams``)."""
     short = checkpoint.use_shortlist(ckpt, shortlist)
-    translator = Translator(ckpt.model, ckpt.tokenizer, shortlist=short)
+    translators = [Translator(ckpt.model, ckpt.tokenizer, shortlist=short) for _ in range(streams)]
     cap = ckpt.config.max_tokens
 
-    def decode(chunk: list[list[int]]) -> list[tuple[int, ...]]:
-        limit = batch_limit([len(x) for x in chunk], options, cap)  # the peers' per-batch limit
-        same = dataclasses.replace(options, max_length_a=0.0, max_length_b=limit, max_length=None)
-        return [hyps[0].ids for hyps in translator.decode_ids(chunk, same)]
+    def decoder(translator: Translator) -> Callable[[list[list[int]]], list[tuple[int, ...]]]:
+        def decode(chunk: list[list[int]]) -> list[tuple[int, ...]]:
+            limit = batch_limit([len(x) for x in chunk], options, cap)  # the peers' per-batch limit
+            same = dataclasses.replace(options, max_length_a=0.0, max_length_b=limit, max_length=None)
+            return [hyps[0].ids for hyps in translator.decode_ids(chunk, same)]
+
+        return decode
+
+    threads = max(1, torch.get_num_threads() // streams)
+    decoders = [decoder(t) if streams == 1 else _own_threads(threads, decoder(t)) for t in translators]
 
     def translate(texts: list[str]) -> Output:
-        ids = translator.encode(texts)
-        out = in_length_order(ids, [len(x) for x in ids], batch_size, decode)
+        ids = translators[0].encode(texts)
+        out = in_streams(ids, [len(x) for x in ids], batch_size, decoders)
         return Output(ckpt.tokenizer.decode(out), sum(len(x) for x in out))
 
     return translate
@@ -259,8 +320,13 @@ def setup_ctranslate2(ckpt: Checkpoint, settings: Settings, folder: Path, int8: 
     compute_type = settings.dtype  # ctranslate2 with --dtype int8 is CTranslate2's int8 too
     if int8 and settings.dtype != "int8":
         compute_type = "int8" if settings.dtype == "float32" else f"int8_{settings.dtype}"
+    streams = settings.streams
     model = ctranslate2.Translator(
-        str(folder), device=settings.device, compute_type=compute_type, inter_threads=1, intra_threads=settings.threads
+        str(folder),
+        device=settings.device,
+        compute_type=compute_type,
+        inter_threads=streams,
+        intra_threads=max(1, settings.threads // streams),
     )
     sp, options, cap = ckpt.tokenizer.sp, settings.options, ckpt.config.max_tokens
 
@@ -279,7 +345,7 @@ def setup_ctranslate2(ckpt: Checkpoint, settings: Settings, folder: Path, int8: 
 
     def translate(texts: list[str]) -> Output:
         pieces = sp.encode(texts, out_type=str)
-        out = in_length_order(pieces, [len(x) for x in pieces], settings.batch_size, decode)
+        out = in_streams(pieces, [len(x) for x in pieces], settings.batch_size, [decode] * streams)
         return Output(list(sp.decode(out)), sum(len(x) for x in out))
 
     return translate
@@ -349,7 +415,7 @@ class System:
 
 
 SYSTEMS: dict[str, System] = {
-    "ours": System(lambda s, _: setup_ours(_ours(s), s.batch_size, s.options)),
+    "ours": System(lambda s, _: setup_ours(_ours(s), s.batch_size, s.options, streams=s.streams)),
     "ours-full": System(lambda s, _: setup_ours(_ours(s), s.batch_size, s.options, shortlist=False), default=False),
     "ctranslate2": System(_setup_ctranslate2(int8=False), "bench.ctranslate2_convert", ctranslate2=True, peer=True),
     "ctranslate2-int8": System(_setup_ctranslate2(int8=True), "bench.ctranslate2_convert", ctranslate2=True, peer=True),
@@ -401,6 +467,7 @@ def measure(
         "bleu": score_translations(out.texts, ref)["bleu"],
         "batch_size": 1 if unbatched else settings.batch_size,
         "threads": settings.threads,
+        "streams": settings.streams if spec.batched else 1,
         "dtype": settings.dtype,
         "cpu": cpu_name(),
         "isa": kernels.detected().isa if settings.device == "cpu" else None,
@@ -486,6 +553,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="allocator of the peers' processes (glibc: as they ship)",
     )
     parser.add_argument(
+        "--streams",
+        type=int,
+        default=1,
+        help="batches decoded at once by the batched systems, each on --threads / --streams threads",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=1, help="isolated runs of every system, round-robin; the median run is reported"
     )
     return parser.parse_args(argv)
@@ -494,7 +567,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def settings_from(args: argparse.Namespace) -> Settings:
     meta = checkpoint.read_meta(args.weights)
     options = checkpoint.decoding_options(meta, args.beam_size)
-    return Settings(args.weights, args.device, args.dtype, args.beam_size, args.batch_size, args.threads, options)
+    if not 1 <= args.streams <= args.threads:
+        raise SystemExit(f"--streams {args.streams}: between 1 and --threads ({args.threads})")
+    return Settings(
+        args.weights, args.device, args.dtype, args.beam_size, args.batch_size, args.threads, options, args.streams
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

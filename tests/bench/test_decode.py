@@ -6,12 +6,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from bench import naive
-from bench.decode import batch_limit, in_length_order
+from bench.decode import batch_limit, in_length_order, in_streams
 from model.data import read_lines
 from model.decoding import DecodingOptions, max_steps
 from model.tokenizer import Tokenizer
@@ -57,6 +59,39 @@ def test_length_order_batches_and_limits() -> None:
     assert batch_limit([300], options, 40) == 40
 
 
+def test_streams_deal_the_sorted_batches_in_turn_each_on_a_thread_of_its_own() -> None:
+    items = ["ccc", "a", "bb", "dddd", "e", "ff", "g"]
+    seen: list[list[tuple[str, list[str]]]] = [[], []]
+
+    def stream(k: int) -> Callable[[list[str]], list[str]]:
+        def fn(chunk: list[str]) -> list[str]:
+            seen[k].append((threading.current_thread().name, chunk))
+            return [x.upper() for x in chunk]
+
+        return fn
+
+    assert in_streams(items, [len(x) for x in items], 2, [stream(0), stream(1)]) == [x.upper() for x in items]
+    assert [chunk for _, chunk in seen[0]] == [["a", "e"], ["ff", "ccc"]]
+    assert [chunk for _, chunk in seen[1]] == [["g", "bb"], ["dddd"]]
+    names = {name for calls in seen for name, _ in calls}
+    assert len(names) == 2 and threading.current_thread().name not in names
+    one: list[list[str]] = []
+
+    def alone(chunk: list[str]) -> list[str]:
+        one.append(chunk)
+        assert threading.current_thread() is threading.main_thread()
+        return chunk
+
+    assert in_streams(items, [len(x) for x in items], 3, [alone]) == items
+    assert one == [["a", "e", "g"], ["bb", "ff", "ccc"], ["dddd"]]
+
+    def failing(chunk: list[str]) -> list[str]:
+        raise ValueError("a stream failed")
+
+    with pytest.raises(ValueError, match="a stream failed"):
+        in_streams(items, [len(x) for x in items], 2, [stream(0), failing])
+
+
 def run_cli(weights: Path, data_dir: Path, *args: str) -> list[dict[str, object]]:
     cmd = [sys.executable, "-m", "bench.decode", "--weights", str(weights), "--limit", "8", "--naive-limit", "4"]
     cmd += ["--threads", "1", "--warmup", "2", "--data-dir", str(data_dir), *args]
@@ -87,6 +122,17 @@ def test_cli_prints_one_json_line_per_system(tiny_weights_dir: Path, data_dir: P
 def test_cli_runs_each_system_in_its_own_process(tiny_weights_dir: Path, data_dir: Path) -> None:
     rows = run_cli(tiny_weights_dir / "de-en", data_dir, "--systems", "ours,ctranslate2", "--beam-size", "2")
     assert [(r["system"], r["beam_size"], r["sentences"]) for r in rows] == [("ours", 2, 8), ("ctranslate2", 2, 8)]
+
+
+@pytest.mark.slow
+def test_streams_decode_the_same_translations(tiny_weights_dir: Path, data_dir: Path) -> None:
+    """Batches of 2 sentences dealt to two streams of one thread each: the same translations as one stream."""
+    args = ("--systems", "ours,ctranslate2", "--threads", "2", "--batch-size", "2")
+    one = run_cli(tiny_weights_dir / "de-en", data_dir, *args)
+    two = run_cli(tiny_weights_dir / "de-en", data_dir, *args, "--streams", "2")
+    assert [(r["system"], r["streams"]) for r in one] == [("ours", 1), ("ctranslate2", 1)]
+    assert [(r["system"], r["streams"]) for r in two] == [("ours", 2), ("ctranslate2", 2)]
+    assert [r["bleu"] for r in one] == [r["bleu"] for r in two]
 
 
 @pytest.mark.slow
