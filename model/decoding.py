@@ -447,6 +447,6 @@ class DecodeSession:
         rows.select(kept, keep)
         vocab = self._own_vocab()
         if vocab is not None:
-            vocab.leave(finished, kept, keep)
+            vocab.leave(finished, kept, keep, rows.width)
         width = rows.source_width
         cache.select_memory(kept, width if width < columns else None)

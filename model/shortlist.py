@@ -149,14 +149,25 @@ class Vocabulary:
     the active sentences that have it): a joining sentence's new candidates are appended as
     columns (their rows gathered, the other sentences' bias -inf there) and its bias row added;
     leaving sentences take their bias rows along, and their columns stay until the columns are a
-    quarter more than the union (``SLACK``), then everything is made again from the union.
-    Sentences are in the session's batch order."""
+    quarter more than the union (``SLACK``) and the unused ones cost the rows still decoding
+    enough products to pay for a remake (``remake_work``); then everything is made again from the
+    union. Sentences are in the session's batch order."""
 
     SLACK = 1.25
+    # Unused columns x rows still decoding before a remake pays (each such column costs a step 2 x
+    # D flops a row; a remake and the panels packed again ~2 ms on two Zen 3 cores): the last
+    # sentences of a greedy batch of 64 remade 29 times a pass of test_2016 for products that were
+    # already small, and never remaking on leave ran that pass 8% faster (docs/benchmarks.md "Greedy
+    # rows leave in place"). A continuously fed batch at beam 4 (~230 rows) remakes as before.
+    REMAKE_WORK = 32768
 
-    def __init__(self, shortlist: Shortlist, matrix: torch.Tensor, dtype: torch.dtype) -> None:
-        """matrix (V, D) the output projection; its rows are scored in ``dtype``."""
+    def __init__(
+        self, shortlist: Shortlist, matrix: torch.Tensor, dtype: torch.dtype, remake_work: int = REMAKE_WORK
+    ) -> None:
+        """matrix (V, D) the output projection; its rows are scored in ``dtype``. ``remake_work``:
+        unused columns x rows left, at least, before leaving sentences make the columns again."""
         self.shortlist = shortlist.to(matrix.device)
+        self.remake_work = remake_work
         self.matrix, self.dtype, self.device = matrix, dtype, matrix.device
         self.counts = torch.zeros(shortlist.vocab_size, dtype=torch.int32, device=self.device)
         self.counts[self.shortlist.always] = 1  # never taken away
@@ -302,12 +313,14 @@ class Vocabulary:
             self._set_bias(bias)
         self.sentences.extend(candidates)
 
-    def leave(self, gone: list[int], kept: list[int], keep: torch.Tensor) -> None:
-        """Sentences ``gone`` leave; ``kept`` (keep: the same on the device) stay, in that order."""
+    def leave(self, gone: list[int], kept: list[int], keep: torch.Tensor, width: int = 1) -> None:
+        """Sentences ``gone`` leave; ``kept`` (keep: the same on the device) stay, in that order,
+        each decoded on ``width`` rows (its hypotheses)."""
         removed = torch.cat([self.sentences[i] for i in gone])
         self.counts.index_add_(0, removed, torch.full_like(removed, -1, dtype=torch.int32))
         self.sentences = [self.sentences[i] for i in kept]
-        if self.size > self.SLACK * int(self.counts.count_nonzero()):
+        used = int(self.counts.count_nonzero())
+        if self.size > self.SLACK * used and (self.size - used) * len(kept) * width >= self.remake_work:
             self._remake()
         else:
             self._set_bias(self._bias[keep])

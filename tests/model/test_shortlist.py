@@ -4,6 +4,7 @@ its sentences' candidates, and that decoding through it maps columns back to the
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def test_candidates_are_the_pieces_and_their_associations() -> None:
 def test_the_columns_grow_as_sentences_join_and_are_made_again_only_past_the_slack() -> None:
     table = Shortlist.from_table(torch.zeros(100, 1, dtype=torch.long), torch.tensor([0, 1, 2, 3]))
     matrix = torch.arange(100.0)[:, None].expand(100, 2)  # row i is (i, i)
-    vocab = Vocabulary(table, matrix, torch.float32)
+    vocab = Vocabulary(table, matrix, torch.float32, remake_work=0)  # (the columns' rule alone)
     assert vocab.ids.tolist() == [0, 1, 2, 3] and vocab.bias.shape == (0, 1, 4)
     big, small = torch.arange(10, 30), torch.tensor([40])
     vocab.join([big, small])
@@ -85,12 +86,36 @@ def test_the_columns_grow_as_sentences_join_and_are_made_again_only_past_the_sla
     vocab.join([torch.tensor([95])])
     assert vocab.ids.tolist() == [0, 1, 2, 3, 95] and torch.equal(vocab.rows[:, 0], vocab.ids.float())
     mixed = Vocabulary(
-        Shortlist.from_table(torch.zeros(100, 1, dtype=torch.long), torch.tensor([0, 90])), matrix, torch.float32
+        Shortlist.from_table(torch.zeros(100, 1, dtype=torch.long), torch.tensor([0, 90])),
+        matrix,
+        torch.float32,
+        remake_work=0,
     )
     mixed.join([torch.arange(5, 30), torch.tensor([6])])
     mixed.leave([0], [1], torch.tensor([1]))  # made again from the union, sorted: 0, 6, 90
     mixed.clear()  # ``always`` no longer first: made again
     assert mixed.ids.tolist() == [0, 90] and mixed.remade == 3
+
+
+def test_leaving_sentences_remake_the_columns_only_when_the_unused_ones_cost_enough() -> None:
+    """Past ``SLACK``, the columns are made again only when unused columns x rows still decoding
+    reach ``remake_work``: the last few sentences of a batch keep the columns they have (their
+    products are small), many rows at a given waste remake them; beams count as rows."""
+    table = Shortlist.from_table(torch.zeros(400, 1, dtype=torch.long), torch.tensor([0, 1]))
+    matrix = torch.randn(400, 8)
+    for width, kept_rows, remade in ((1, 2, False), (1, 8, True), (4, 2, True)):
+        vocab = Vocabulary(table, matrix, torch.float32, remake_work=100 * 8)
+        vocab.join(
+            [torch.arange(2, 102), *[torch.tensor([0]) for _ in range(kept_rows)]]
+        )  # 100 columns of one sentence
+        before = vocab.remade
+        kept = list(range(1, kept_rows + 1))
+        vocab.leave([0], kept, torch.tensor(kept), width)  # 100 unused columns of 102
+        assert vocab.size == (2 if remade else 102) and (vocab.remade > before) == remade, (width, kept_rows)
+        own = vocab.bias[:, 0]  # the sentences left have only ``always``: 0 there, -inf in any unused column
+        assert own.shape == (kept_rows, vocab.size) and bool(
+            (own[:, :2] == 0).all() and (own[:, 2:] == -math.inf).all()
+        )
 
 
 @pytest.mark.parametrize("matrix_dtype", [torch.float32, torch.float16])
@@ -105,7 +130,7 @@ def test_the_kernels_join_columns_as_the_tensor_operations_do(matrix_dtype: torc
     require(module is not None, f"the fused step kernels ({variant}) do not build here: see the log")
     table = Shortlist.from_table(torch.randint(0, 100, (100, 3)), torch.tensor([0, 1, 2, 3]))
     matrix = torch.randn(100, 16).to(matrix_dtype)
-    plain, fast = Vocabulary(table, matrix, torch.float32), Vocabulary(table, matrix, torch.float32)
+    plain, fast = (Vocabulary(table, matrix, torch.float32, remake_work=0) for _ in range(2))
     rng = random.Random(4)
     for round in range(12):
         joining = [torch.tensor(sorted(rng.sample(range(100), rng.randint(1, 30)))) for _ in range(rng.randint(1, 4))]
@@ -142,7 +167,7 @@ def test_the_columns_panels_pack_only_the_columns_that_joined() -> None:
     require(module is not None, f"the fused step kernels ({variant}) do not build here: see the log")
     width = module.panel_width()
     table = Shortlist.from_table(torch.arange(600).view(200, 3) % 200, torch.tensor([0, 1, 2, 3]))
-    vocab = Vocabulary(table, torch.randn(200, 32), torch.float32)
+    vocab = Vocabulary(table, torch.randn(200, 32), torch.float32, remake_work=0)
     x = torch.randn(9, 32)
 
     def logits() -> None:
