@@ -230,9 +230,9 @@ def in_streams(
 ) -> list[R]:
     """``in_length_order`` with the sorted chunks dealt in turn to ``streams``, each run on a
     thread of its own (one stream: on this thread); results in input order."""
-    chunks = list(token_batches(lengths, math.inf, max_items=size))
     if len(streams) == 1:
         return in_length_order(items, lengths, size, streams[0])
+    chunks = list(token_batches(lengths, math.inf, max_items=size))
     results: list[R | None] = [None] * len(items)
 
     def run(k: int) -> None:
