@@ -235,20 +235,17 @@ def in_streams(
     chunks = list(token_batches(lengths, math.inf, max_items=size))
     results: list[R | None] = [None] * len(items)
 
-    def run(k: int) -> None:
-        for chunk in chunks[k :: len(streams)]:
-            for i, result in zip(chunk, streams[k]([items[i] for i in chunk]), strict=True):
-                results[i] = result
-
     errors: list[BaseException] = []
 
-    def guarded(k: int) -> None:
+    def run(k: int) -> None:
         try:
-            run(k)
+            for chunk in chunks[k :: len(streams)]:
+                for i, result in zip(chunk, streams[k]([items[i] for i in chunk]), strict=True):
+                    results[i] = result
         except BaseException as err:  # re-raised on the calling thread
             errors.append(err)
 
-    threads = [threading.Thread(target=guarded, args=(k,), name=f"stream-{k}") for k in range(len(streams))]
+    threads = [threading.Thread(target=run, args=(k,), name=f"stream-{k}") for k in range(len(streams))]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -25,7 +25,7 @@ that tie the halves together (self rows = sentences x width) are checked there, 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -72,6 +72,12 @@ class Spare:
 # indexed copy. A row copy is one small ATen call (~6 us measured in a greedy pass); an indexed
 # copy costs ~40 us a buffer however few rows it moves (docs/benchmarks.md "Greedy rows leave in place").
 FEW_MOVES = 8
+
+
+def moves_of(order: Sequence[int]) -> list[tuple[int, int]]:
+    """The (target, source) row moves that give row i the contents of row ``order[i]``: only
+    where they differ (a compaction's order keeps most rows where they are)."""
+    return [(i, j) for i, j in enumerate(order) if i != j]
 
 
 def move_rows(buffer: torch.Tensor, moves: list[tuple[int, int]]) -> None:
@@ -175,7 +181,7 @@ class SelfAttentionCache:
         assert rows <= self.rows and all(t < rows <= s for t, s in moves), (rows, self.rows, moves)
         held = self.length
         for laid_out in (self._k4, self._v4):
-            move_rows(laid_out[:, :, :held] if held < self.slots else laid_out, moves)
+            move_rows(laid_out[:, :, :held], moves)
         if capacity is not None:
             self.capacity = max(capacity, self.slots)
         self.rows = rows
@@ -303,7 +309,7 @@ class CrossAttentionCache:
         ones moves few. ``length``: keep only that many source positions (None: all); the
         caller passes the longest source still active, which keeps the invariant."""
         assert length is None or length <= self.source, (length, self.source)
-        moved = [(i, j) for i, j in enumerate(sentences) if i != j]
+        moved = moves_of(sentences)
         if moved:
             for buffer in (self._k, self._v):
                 move_rows(buffer, moved)

@@ -20,7 +20,7 @@ import torch
 
 from model import fused
 from model.beams import Beams, Hypothesis, cat_padded
-from model.cache import KVCache
+from model.cache import KVCache, moves_of
 from model.shortlist import Shortlist, Vocabulary
 from model.step import DecoderStep, EncoderPass, bound_passes, step_dtype
 from model.transformer import Transformer
@@ -211,7 +211,7 @@ class _SentenceRows:
         follow the sentences."""
         a, w = len(self.tags), self.width
         in_place = self.gather is None and w == 1
-        self.moves = [(i, j) for i, j in enumerate(kept) if i != j] if in_place else None
+        self.moves = moves_of(kept) if in_place else None
         self.tags = [self.tags[i] for i in kept]
         self.start_host = [self.start_host[i] for i in kept]
         self.stop_host = [self.stop_host[i] for i in kept]
