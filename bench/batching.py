@@ -2,8 +2,9 @@
 
     python -m bench.batching [--beam-size 4] [--batch 64] [--limit N] [--repeat 3]
 
-Translates test_2016_flickr de→en with the shipped weights (2 threads, fp32) in three ways
-and prints one JSON line per way:
+Translates test_2016_flickr de→en with the shipped weights (2 threads, fp32; the checkpoint's
+lexical shortlist where it ships one, as the service decodes: ``--no-shortlist`` for the whole
+vocabulary) in three ways and prints one JSON line per way:
 
 - ``static-sorted``: sentences sorted by length, batches of ``--batch`` run one after the
   other (``bench/decode.py``'s setup: the best case for static batches);
@@ -13,7 +14,8 @@ and prints one JSON line per way:
   sentences leave it, queued ones join at the next decoder step (what the server does).
 
 Keys: mode, sentences, seconds (median of ``--repeat`` passes), sentences_per_s, steps
-(decoder steps), sentence_steps (sum over steps of the sentences decoded at it), mean_active.
+(decoder steps), sentence_steps (sum over steps of the sentences decoded at it), mean_active,
+vocabulary (``shortlist`` or ``full``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class BatchingResult:
     mean_active: float
     beam_size: int
     batch: int
+    vocabulary: str  # "shortlist" (the checkpoint's, as the service decodes) or "full"
 
 
 def run(
@@ -72,6 +75,7 @@ def run(
 def measure(
     mode: str, translator: Translator, ids: list[list[int]], options: DecodingOptions, args: argparse.Namespace
 ) -> BatchingResult:
+    vocabulary = "full" if translator.shortlist is None else "shortlist"
     order = sorted(ids, key=len) if mode == "static-sorted" else ids
     passes: list[float] = []
     counts = (0, 0)
@@ -83,7 +87,7 @@ def measure(
     steps, sentence_steps = counts
     return BatchingResult(
         mode, len(ids), round(seconds, 3), round(len(ids) / seconds, 2), steps, sentence_steps,
-        round(sentence_steps / steps, 1), options.beam_size, args.batch,
+        round(sentence_steps / steps, 1), options.beam_size, args.batch, vocabulary,
     )  # fmt: skip
 
 
@@ -97,10 +101,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="passes per mode (median)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument(
+        "--shortlist", action=argparse.BooleanOptionalAction, default=True, help="the checkpoint's shortlist"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     ckpt = checkpoint.load(args.weights, "cpu", "float32")
-    translator = Translator(ckpt.model, ckpt.tokenizer)
+    translator = Translator(ckpt.model, ckpt.tokenizer, shortlist=checkpoint.use_shortlist(ckpt, args.shortlist))
     texts = read_lines(args.data_dir / "test_2016_flickr.de.gz")
     texts = texts[: args.limit] if args.limit else texts
     ids = translator.encode(texts)

@@ -19,9 +19,19 @@ def test_three_modes_decode_the_same_sentence_steps(
     assert list(rows) == ["static-sorted", "static-arrival", "continuous"]
     for row in rows.values():
         assert row["sentences"] == 48 and row["seconds"] > 0 and row["beam_size"] == 4
+        assert row["vocabulary"] == "shortlist"  # the shipped weights' shortlist, as the service decodes
     # each sentence takes the steps it takes alone, however it is batched ...
     assert len({row["sentence_steps"] for row in rows.values()}) == 1
     # ... but a batch that is topped up stays fuller, so it needs fewer steps than static ones
     assert rows["continuous"]["steps"] < rows["static-arrival"]["steps"]
     assert rows["continuous"]["mean_active"] > rows["static-arrival"]["mean_active"]
     assert rows["continuous"]["mean_active"] <= 8
+
+
+def test_no_shortlist_decodes_the_whole_vocabulary(
+    shipped: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--weights", str(shipped), "--data-dir", str(data_dir), "--limit", "8", "--batch", "4"]
+    batching.main([*args, "--repeat", "1", "--threads", "1", "--modes", "continuous", "--no-shortlist"])
+    (row,) = map(json.loads, capsys.readouterr().out.splitlines())
+    assert row["vocabulary"] == "full" and row["sentences"] == 8
