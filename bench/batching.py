@@ -1,6 +1,6 @@
 """Static against continuous batching, in one process: the model side of ``bench/load.py``.
 
-    python -m bench.batching [--beam-size 4] [--batch 64] [--limit N] [--repeat 3]
+    python -m bench.batching [--beam-size 4] [--batch 64] [--limit N] [--repeat 3] [--no-shortlist]
 
 Translates test_2016_flickr de→en with the shipped weights (2 threads, fp32; the checkpoint's
 lexical shortlist where it ships one, as the service decodes: ``--no-shortlist`` for the whole
