@@ -142,7 +142,7 @@ class LoadedModel:
         self.precision = resolve_precision(settings.dtype, self.device.type)
         self.ckpt = checkpoint.load(path, self.device, self.precision, fused=settings.fused_step)
         self.shortlist = checkpoint.use_shortlist(self.ckpt, settings.shortlist)
-        self.vocabulary = "full" if self.shortlist is None else "shortlist"
+        self.vocabulary = checkpoint.vocabulary_label(self.shortlist)
         self.path, self.meta, self.plan = path, self.ckpt.meta, self.ckpt.plan
         self.directions = checkpoint.directions(self.meta)
         self.tagged = bool(self.meta.get("target_tags"))

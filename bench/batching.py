@@ -75,7 +75,7 @@ def run(
 def measure(
     mode: str, translator: Translator, ids: list[list[int]], options: DecodingOptions, args: argparse.Namespace
 ) -> BatchingResult:
-    vocabulary = "full" if translator.shortlist is None else "shortlist"
+    vocabulary = checkpoint.vocabulary_label(translator.shortlist)
     order = sorted(ids, key=len) if mode == "static-sorted" else ids
     passes: list[float] = []
     counts = (0, 0)

@@ -298,6 +298,12 @@ def load_shortlist(path: str | Path, vocab_size: int) -> Shortlist | None:
     return Shortlist(offsets, targets, always, per_source)
 
 
+def vocabulary_label(shortlist: Shortlist | None) -> str:
+    """What decoding with ``shortlist`` (``use_shortlist``'s answer) scores, as /info,
+    ``model.evaluate`` and the benchmarks report it: "shortlist" or "full" (every piece)."""
+    return "full" if shortlist is None else "shortlist"
+
+
 def use_shortlist(ckpt: Checkpoint, wanted: bool = True) -> Shortlist | None:
     """The shortlist decoding will use: the folder's, where ``wanted`` and it pays. int8 decodes
     the whole vocabulary: its output projection (int8 rows on fbgemm) costs less than the

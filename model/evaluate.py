@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         args.batch_size,
     )
     result["seconds"] = round(time.perf_counter() - start, 3)
-    vocabulary = "full" if short is None else "shortlist"
+    vocabulary = checkpoint.vocabulary_label(short)
     print(json.dumps({**result, "dtype": args.dtype, "kernel": ckpt.plan.kernel, "vocabulary": vocabulary}))
 
 
