@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 import time
+import weakref
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -394,3 +396,24 @@ def test_every_route_dependency_runs_on_the_event_loop(client: TestClient) -> No
                 sync.append(f"{route.path}: {getattr(call, '__name__', type(call).__name__)}")
     assert {"/translate", "/attention", "/languages", "/suggest"} <= seen
     assert sync == []
+
+
+def test_start_up_objects_leave_the_collector_once_ready_and_return_on_close(tiny_weights_dir: Path) -> None:
+    """Ready means start-up's objects are frozen (full collections skip them: app.state
+    ``freeze_startup_objects``), while garbage made later is still collected; closing the app
+    hands the frozen ones back, so a process that goes on can free them."""
+
+    class Node:
+        def __init__(self) -> None:
+            self.me = self  # a reference cycle: only the collector frees it
+
+    gc.unfreeze()
+    for client in start(Settings(weights_dir=tiny_weights_dir)):
+        assert gc.get_freeze_count() > 10_000  # modules, schemas, the model: all of start-up
+        assert client.post("/translate", json={"q": "Ein Hund.", **DOC}).status_code == 200
+        later = Node()
+        gone = weakref.ref(later)
+        del later
+        gc.collect()
+        assert gone() is None
+    assert gc.get_freeze_count() == 0
