@@ -151,6 +151,27 @@ def test_parameters_are_read_from_the_query_string_too(client: TestClient) -> No
     assert surrogate.status_code < 500  # decoded with replacement characters, never a lone surrogate
 
 
+def test_a_query_string_that_is_not_utf8_is_a_400(client: TestClient) -> None:
+    """Raw bytes that are not UTF-8 in the query string (uvicorn's parser refuses them itself,
+    other ASGI servers pass them on) are the client's error: a 400 in the service's shape."""
+    body = json.dumps({"source": "de", "target": "en"}).encode()
+    headers = [(b"host", b"test"), (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/translate", "raw_path": b"/translate", "root_path": "", "query_string": b"q=\xff",
+             "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}  # fmt: skip
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    client.portal.call(client.app, scope, receive, send)  # type: ignore[arg-type,union-attr]
+    assert sent[0]["status"] == 400
+    assert json.loads(sent[1]["body"])["error_type"] == "bad_request"
+
+
 @pytest.fixture(scope="module")
 def pivot_weights(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Tokenizer) -> Path:
     """de-en and en-fr checkpoints (random tiny models sharing one tokenizer): no de-fr model."""
