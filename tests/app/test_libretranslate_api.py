@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from starlette.types import Message
 
 from app.settings import Settings
 from app.suggestions import SuggestionStore
@@ -159,15 +160,19 @@ def test_a_query_string_that_is_not_utf8_is_a_400(client: TestClient) -> None:
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": "/translate", "raw_path": b"/translate", "root_path": "", "query_string": b"q=\xff",
              "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}  # fmt: skip
-    sent: list[dict[str, Any]] = []
+    sent: list[Message] = []
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         return {"type": "http.request", "body": body, "more_body": False}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         sent.append(message)
 
-    client.portal.call(client.app, scope, receive, send)  # type: ignore[arg-type,union-attr]
+    async def request() -> None:
+        await client.app(scope, receive, send)
+
+    assert client.portal is not None  # (the client is started)
+    client.portal.call(request)
     assert sent[0]["status"] == 400
     assert json.loads(sent[1]["body"])["error_type"] == "bad_request"
 
