@@ -13,9 +13,12 @@ the round with the median requests/s, plus ``rounds_rps`` (a small machine's spe
 ``--url`` measures a LibreTranslate-compatible server that is already running (ours, or
 LibreTranslate itself: its rows say ``"batching": "external"``). Rows of servers that send
 ``Server-Timing`` (ours) get ``phases_ms``: each phase's median over the run's requests.
-``--offline`` first decodes the same sentences offline (sorted batches of 64, the server's
-``TRANSLATOR_DTYPE``) and adds ``offline_sps`` and ``of_offline`` (rps / offline_sps) to every
-row: how close serving comes to the model's own batched throughput.
+``--offline`` decodes the same sentences offline (sorted batches of 64, the server's
+``TRANSLATOR_DTYPE``) before each round and adds that round's ``offline_sps`` and ``of_offline``
+(rps / offline_sps) to its rows: how close serving comes to the model's own batched throughput,
+each round against the offline figure measured beside it (a shared host's speed drifts between
+rounds: one offline figure for all of them made the ratios drift with it). With ``--rounds N``
+the rows also get ``rounds_offline_sps`` and ``rounds_of_offline``, every round's.
 The clients run in this process, on the same machine as the server, so they share its CPU:
 they speak HTTP/1.1 over keep-alive connections through asyncio streams (``Connection``),
 which cost a small fraction of the CPU httpx's async client took per request; with httpx the
@@ -283,11 +286,11 @@ def main(argv: list[str] | None = None) -> None:
     sentences = read_lines(args.data_dir / "test_2016_flickr.de.gz")
     levels = [int(c) for c in args.concurrency.split(",")]
     runs: dict[tuple[str, int], list[LoadResult]] = {}
-    offline = None
-    if args.offline:
-        n = min(args.requests, len(sentences))
-        offline = offline_throughput(args.weights, args.data_dir, n, args.beam_size, args.threads)
     for _ in range(args.rounds):
+        offline = None
+        if args.offline:  # each round's own: see the module's docstring
+            n = min(args.requests, len(sentences))
+            offline = offline_throughput(args.weights, args.data_dir, n, args.beam_size, args.threads)
         for mode in args.batching.split(",") if args.url is None else ["external"]:
             with (
                 server(args.weights, mode == "on", args.threads, args.port)
@@ -306,7 +309,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.rounds > 1:  # each row: the round with the median requests/s, and every round's
         for results in runs.values():
             middle = median_row(results, key=lambda r: r.rps)
-            print(json.dumps(asdict(middle) | {"rounds_rps": [r.rps for r in results]}), flush=True)
+            rounds: dict[str, list[float | None]] = {"rounds_rps": [r.rps for r in results]}
+            if args.offline:
+                rounds["rounds_offline_sps"] = [r.offline_sps for r in results]
+                rounds["rounds_of_offline"] = [r.of_offline for r in results]
+            print(json.dumps(asdict(middle) | rounds), flush=True)
 
 
 if __name__ == "__main__":

@@ -121,12 +121,19 @@ def test_connection_keeps_alive_and_reads_errors(tiny_weights_dir: Path) -> None
 def test_rounds_report_each_rows_median_round(tiny_weights_dir: Path, data_dir: Path) -> None:
     cmd = [sys.executable, "-m", "bench.load", "--concurrency", "1,4", "--requests", "12", "--batching", "on"]
     cmd += ["--weights", str(tiny_weights_dir), "--beam-size", "1", "--port", str(free_port()), "--data", str(data_dir)]
-    proc = subprocess.run([*cmd, "--rounds", "3"], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    cmd += ["--rounds", "3", "--offline"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [(r["batching"], r["concurrency"]) for r in rows] == [("on", 1), ("on", 4)]
     for row in rows:
         assert len(row["rounds_rps"]) == 3 and row["rps"] == sorted(row["rounds_rps"])[1]
+        # each round set against the offline figure measured before it: the median round's own
+        assert len(row["rounds_of_offline"]) == 3 and row["of_offline"] in row["rounds_of_offline"]
+        assert row["of_offline"] == round(row["rps"] / row["offline_sps"], 3)
+        assert len(row["rounds_offline_sps"]) == 3 and row["offline_sps"] in row["rounds_offline_sps"]
+    # measured again each round, not once for all: three timings never agree to the last digit
+    assert len(set(rows[0]["rounds_offline_sps"])) > 1
 
 
 @pytest.mark.slow
