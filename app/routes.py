@@ -23,7 +23,7 @@ from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPEN
 from starlette.types import Receive, Scope, Send
 
 from app import attention_view, documents, html, timing, uploads
-from app.deps import HeaderKey, StateDep, body, direction_service, keyed
+from app.deps import HeaderKey, StateDep, body, direction_service, get_state, keyed
 from app.engine import Legs
 from app.errors import BAD_REQUEST, ApiError
 from app.openapi import RequestModels, request_body
@@ -95,7 +95,7 @@ def build_router(models: RequestModels) -> APIRouter:
     async def translate(request: Request) -> Response:
         """Translate a text or a list of texts (LibreTranslate-compatible). With ``source: "auto"``
         each text's language is detected (``detectedLanguage`` in the answer, one per text)."""
-        state: AppState = request.app.state.translator
+        state = await get_state(request)
         payload = await translate_body(request, state)
         answer = await translate_texts(payload, state, request)
         return Response(answer.model_dump_json(exclude_none=True), media_type="application/json")
