@@ -64,6 +64,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Neural machine translation (LibreTranslate-compatible /translate, attention maps).",
         version=version(),
         lifespan=lifespan,
+        # requests are traced by app.tracing (a span per request, one per phase) and measured by
+        # app.metrics: FastAPI's own OpenTelemetry instrumentation would add a second root span
+        # per request wherever a global provider is set, and checks the providers on every request
+        telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
     )
     app.state.translator = state
     app.openapi = functools.partial(document, app)  # type: ignore[method-assign]
