@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import functools
 import itertools
 import logging
 import math
+import sys
 import threading
 import time
 from collections import deque
@@ -497,6 +499,7 @@ class ModelThread:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
+        name_os_thread(self.name)  # before its first parallel work: its OpenMP workers take the name too
         while True:
             with self.cond:
                 work = self._next()
@@ -613,3 +616,18 @@ def _set_result(future: asyncio.Future[Any], result: Any) -> None:
 def _set_exception(future: asyncio.Future[Any], err: BaseException) -> None:
     if not future.done():
         future.set_exception(err)
+
+
+PR_SET_NAME = 15  # prctl(2): name the calling thread
+
+
+def name_os_thread(name: str) -> None:
+    """Name the calling thread in the OS too, as ``top -H``, py-spy and ``bench.threads`` show it
+    (``/proc/<pid>/task/<tid>/comm``; at most 15 bytes). Threads it starts later (torch's OpenMP
+    workers) take the name with them. Linux only; elsewhere, or where it fails, nothing happens."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        log.debug("could not name the OS thread %r", name)

@@ -25,7 +25,9 @@ which cost a small fraction of the CPU httpx's async client took per request; wi
 clients took a large share of the cores the server needed (docs/benchmarks.md "Numbers behind
 the code"). Each row says how much: ``client_cores`` is the CPU time this process spent during
 the run over its wall time, and ``server_cores`` the server's (``process_cpu_seconds_total`` from
-its ``/metrics``, before and after; null for a server without it).
+its ``/metrics``, before and after; null for a server without it). For a server on this machine,
+``server_threads`` splits the run's wall time per server thread into time on a CPU, time waiting
+for one and time asleep (``bench/threads.py``): where serving loses against offline.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import threads
 from bench.server import ROOT, running_server
 from bench.stats import median, median_row, percentile
 from model import checkpoint
@@ -74,6 +77,8 @@ class LoadResult:
     phases_ms: dict[str, float] | None = None  # median of each Server-Timing phase (servers that send it)
     client_cores: float | None = None  # this process's CPU seconds during the run / its wall seconds
     server_cores: float | None = None  # the server's, from its /metrics (servers that export it)
+    # a local server's threads: each one's shares of the run on a CPU, waiting for one, asleep
+    server_threads: list[dict[str, float | str]] | None = None
 
 
 def server_timing(value: str) -> dict[str, float]:
@@ -166,10 +171,13 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
             connection.close()
 
     server_cpu = cpu_seconds(url)  # (before and after the clients run: blocking is harmless)
+    pid = local_pid(url)
+    threads_before = threads.sample(pid) if pid is not None else None
     start, cpu = time.perf_counter(), time.process_time()
     with bar:
         await asyncio.gather(*(client() for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
+    threads_after = threads.sample(pid) if pid is not None else None
     client_cores = (time.process_time() - cpu) / elapsed
     server_after = cpu_seconds(url)
     server_cores = None if server_cpu is None or server_after is None else (server_after - server_cpu) / elapsed
@@ -187,7 +195,20 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
         phases_ms={name: round(median(v), 2) for name, v in phases.items()} or None,
         client_cores=round(client_cores, 3),
         server_cores=None if server_cores is None else round(server_cores, 3),
+        server_threads=(
+            [asdict(share) for share in threads.shares(pid, threads_before, threads_after, requests)]
+            if pid is not None and threads_before and threads_after
+            else None
+        ),
     )
+
+
+def local_pid(url: str) -> int | None:
+    """The process serving ``url`` when it listens on this machine (``bench.threads``), else None."""
+    parts = urlsplit(url)
+    if parts.hostname not in ("127.0.0.1", "localhost", "::1"):
+        return None
+    return threads.listening_pid(parts.port or 80)
 
 
 def server_metric(url: str, name: str) -> float | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -581,3 +582,38 @@ def test_closing_one_model_returns_when_its_own_work_is_done() -> None:
         asyncio.run(scenario())
     finally:
         thread.close(timeout=10)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names are read from Linux's /proc")
+def test_the_model_thread_and_the_threads_it_starts_carry_its_name_in_the_os() -> None:
+    """``top -H``, py-spy and ``bench.threads`` tell the model thread by its OS name; an OpenMP
+    worker it starts (here any thread it starts) inherits the name."""
+    thread = ModelThread("model")
+
+    def names() -> tuple[str, str]:
+        started: list[int] = []
+        ready, done = threading.Event(), threading.Event()
+
+        def child_body() -> None:
+            started.append(threading.get_native_id())
+            ready.set()
+            done.wait(10)
+
+        child = threading.Thread(target=child_body)
+        child.start()
+        ready.wait(10)
+        try:
+            return comm(threading.get_native_id()), comm(started[0])
+        finally:
+            done.set()
+            child.join()
+
+    def comm(tid: int) -> str:
+        return Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+
+    try:
+        own, child = thread.run(names)
+    finally:
+        thread.close(timeout=10)
+    assert (own, child) == ("model", "model")
+    assert comm(threading.get_native_id()) != "model"  # the calling thread keeps its own

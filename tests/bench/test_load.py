@@ -18,6 +18,7 @@ from bench.plot import main as plot_main
 from bench.stats import percentile
 from tests.helpers import ROOT, free_port, running_server
 
+SCHEDSTAT = Path(f"/proc/self/task/{os.getpid()}/schedstat").exists()  # bench.threads reads it
 KEYS = {"concurrency", "batching", "requests", "rps", "p50_ms", "p95_ms", "p99_ms", "errors"}
 
 
@@ -63,6 +64,15 @@ def test_url_measures_a_running_server_with_its_phases(tiny_weights_dir: Path, d
         assert phases["decode"] > 0 and phases["total"] >= phases["decode"]
         # where the machine's CPU went: the clients here, the server from its own /metrics
         assert 0 < row["client_cores"] < 4 and 0 < row["server_cores"] < 4, row
+        # and where each server thread's time went (a local server, where the kernel keeps schedstat)
+        if not SCHEDSTAT:
+            assert row["server_threads"] is None
+            continue
+        threads = {t["thread"]: t for t in row["server_threads"]}
+        assert {"event loop", "model"} <= set(threads), threads
+        assert threads["model"]["run"] > 0 and threads["model"]["cpu_ms_per_request"] > 0
+        for t in threads.values():
+            assert abs(t["run"] + t["runqueue"] + t["sleep"] - 1) < 0.01 or t["sleep"] == 0, t
 
 
 def png_size(path: Path) -> tuple[int, int]:
