@@ -25,6 +25,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -59,6 +60,9 @@ class Session(Protocol):
 
 # Opens an empty running batch for one set of decoding options (``Translator.open_session``).
 OpenSession = Callable[[DecodingOptions], Session]
+
+
+_PR_SET_NAME = 15  # prctl(2): name the calling thread (``name_os_thread``)
 
 
 class QueueFull(Exception):
@@ -618,16 +622,16 @@ def _set_exception(future: asyncio.Future[Any], err: BaseException) -> None:
         future.set_exception(err)
 
 
-PR_SET_NAME = 15  # prctl(2): name the calling thread
-
-
 def name_os_thread(name: str) -> None:
-    """Name the calling thread in the OS too, as ``top -H``, py-spy and ``bench.threads`` show it
-    (``/proc/<pid>/task/<tid>/comm``; at most 15 bytes). Threads it starts later (torch's OpenMP
-    workers) take the name with them. Linux only; elsewhere, or where it fails, nothing happens."""
+    """Name the calling thread in the OS too (``/proc/<pid>/task/<tid>/comm``, at most 15 bytes),
+    as ``top -H``, perf, gdb and ``bench.threads`` see it; threads it starts later (libgomp's
+    OpenMP workers, which torch starts on the thread's first parallel work) take the name with
+    them. Linux only; elsewhere nothing happens, and a refusal is logged at debug level."""
     if sys.platform != "linux":
         return
     try:
-        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):
-        log.debug("could not name the OS thread %r", name)
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0) != 0:
+            log.debug("could not name the OS thread %r: %s", name, os.strerror(ctypes.get_errno()))
+    except (OSError, AttributeError) as err:
+        log.debug("could not name the OS thread %r: %s", name, err)

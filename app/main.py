@@ -67,7 +67,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # requests are traced by app.tracing (a span per request, one per phase) and measured by
         # app.metrics: FastAPI's own OpenTelemetry instrumentation would add a second root span
         # per request wherever a global provider is set, and checks the providers on every request
-        telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
+        telemetry={
+            "tracing": False,
+            "metrics": False,
+            "logs": False,
+            "operation_spans": False,
+            "auto_configure": False,
+        },
     )
     app.state.translator = state
     app.openapi = functools.partial(document, app)  # type: ignore[method-assign]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -49,7 +50,7 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import threads
+from bench import threads as thread_times
 from bench.server import ROOT, running_server
 from bench.stats import median, median_row, percentile
 from model import checkpoint
@@ -172,12 +173,12 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
 
     server_cpu = cpu_seconds(url)  # (before and after the clients run: blocking is harmless)
     pid = local_pid(url)
-    threads_before = threads.sample(pid) if pid is not None else None
+    threads_before = thread_times.sample(pid) if pid is not None else None
     start, cpu = time.perf_counter(), time.process_time()
     with bar:
         await asyncio.gather(*(client() for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
-    threads_after = threads.sample(pid) if pid is not None else None
+    threads_after = thread_times.sample(pid) if pid is not None else None
     client_cores = (time.process_time() - cpu) / elapsed
     server_after = cpu_seconds(url)
     server_cores = None if server_cpu is None or server_after is None else (server_after - server_cpu) / elapsed
@@ -196,7 +197,7 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
         client_cores=round(client_cores, 3),
         server_cores=None if server_cores is None else round(server_cores, 3),
         server_threads=(
-            [asdict(share) for share in threads.shares(pid, threads_before, threads_after, requests)]
+            [asdict(share) for share in thread_times.shares(pid, threads_before, threads_after, requests)]
             if pid is not None and threads_before and threads_after
             else None
         ),
@@ -206,9 +207,14 @@ async def closed_loop(url: str, sentences: list[str], concurrency: int, requests
 def local_pid(url: str) -> int | None:
     """The process serving ``url`` when it listens on this machine (``bench.threads``), else None."""
     parts = urlsplit(url)
-    if parts.hostname not in ("127.0.0.1", "localhost", "::1"):
+    host = parts.hostname or ""
+    try:
+        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost
+        local = False
+    if not local:
         return None
-    return threads.listening_pid(parts.port or 80)
+    return thread_times.listening_pid(parts.port or (443 if parts.scheme == "https" else 80))
 
 
 def server_metric(url: str, name: str) -> float | None:

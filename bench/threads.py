@@ -6,9 +6,11 @@ reports each thread's shares of the run's wall time. On a small machine that tel
 of serving apart: a model thread *waiting for a CPU* was preempted (by the event loop, say); a
 model thread *asleep* while requests are queued waited for a lock (Python's, in one process).
 
-The server is found by the port it listens on, so this works for any local server (ours, or
-LibreTranslate behind ``--url``), and says nothing (None) for a remote one, on a system without
-``/proc``, or where the kernel keeps no schedstat.
+The server is the one process that listens on the URL's port on this machine (ours, or
+LibreTranslate behind ``--url``). There is no answer (None) for a remote server, where several
+processes hold the port (a server with worker processes, a proxy in front), without ``/proc``,
+or where the kernel keeps no schedstat. The shares are the kernel's accounting: a wait that
+began before the run is counted when it ends, so a share can be off by a scheduler tick.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 PROC = Path("/proc")
 LISTEN = "0A"  # TCP state LISTEN in /proc/net/tcp
 MODEL = "model"  # the OS name of our server's model thread (``app.batching.ModelThread``)
+WORKER = f"{MODEL}'s OpenMP worker"
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class ThreadSample:
     name: str  # the OS thread name (``comm``); ours names its model thread "model"
     run_ns: int  # on a CPU so far
     wait_ns: int  # runnable, waiting for a CPU, so far
+    started: int  # when the thread started, in clock ticks after boot (/proc/.../stat field 22)
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,8 @@ class ThreadShare:
 
 
 def listening_pid(port: int) -> int | None:
-    """The process that listens on this TCP port on this machine, or None (none, or not visible)."""
+    """The one process that listens on this TCP port on this machine; None if none is visible
+    or several hold the socket (a supervisor and its workers, a proxy)."""
     inodes: set[str] = set()
     for table in ("tcp", "tcp6"):
         try:
@@ -61,20 +66,23 @@ def listening_pid(port: int) -> int | None:
     if not inodes:
         return None
     targets = {f"socket:[{inode}]" for inode in inodes}
-    for entry in PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
+    holders = {int(entry.name) for entry in PROC.iterdir() if entry.name.isdigit() and _holds(entry, targets)}
+    return holders.pop() if len(holders) == 1 else None
+
+
+def _holds(process: Path, sockets: set[str]) -> bool:
+    """Whether this /proc/<pid> has one of these sockets open (False where its fds are unreadable)."""
+    try:
+        fds = list((process / "fd").iterdir())
+    except OSError:  # another user's process, or gone
+        return False
+    for fd in fds:
         try:
-            fds = list((entry / "fd").iterdir())
-        except OSError:  # another user's process, or gone
+            if os.readlink(fd) in sockets:
+                return True
+        except OSError:
             continue
-        for fd in fds:
-            try:
-                if os.readlink(fd) in targets:
-                    return int(entry.name)
-            except OSError:
-                continue
-    return None
+    return False
 
 
 def sample(pid: int) -> Snapshot | None:
@@ -89,32 +97,39 @@ def sample(pid: int) -> Snapshot | None:
         try:
             run, wait, _ = (int(x) for x in (task / "schedstat").read_text().split())
             name = (task / "comm").read_text().strip()
+            stat = (task / "stat").read_text()
+            start = int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, after the name in parentheses
         except (OSError, ValueError):  # the thread ended, or the kernel keeps no schedstat
             continue
-        out[int(task.name)] = ThreadSample(name, run, wait)
-    return Snapshot(started, time.perf_counter(), out) if out else None
+        out[int(task.name)] = ThreadSample(name, run, wait, start)
+    if not out or all(s.run_ns == 0 for s in out.values()):  # (a kernel without sched_info reads zeros)
+        return None
+    return Snapshot(started, time.perf_counter(), out)
 
 
 def shares(pid: int, before: Snapshot, after: Snapshot, requests: int, least: float = 0.01) -> list[ThreadShare]:
-    """Each thread alive at both snapshots that ran at least ``least`` of the wall time between
-    them, busiest first (the main thread first: it runs the event loop). Of the threads named
-    "model" (ours names its model thread so, and the OpenMP workers that thread starts inherit
-    the name) the first started, the lowest id, is the model thread itself."""
+    """Each thread alive at both snapshots that ran or waited to run at least ``least`` of the
+    wall time between them, busiest first (the main thread first: it runs the event loop). Of
+    the threads named "model" (ours names its model thread so, and the OpenMP workers that thread
+    starts inherit the name) the first started is the model thread itself."""
     wall_s = after.ended - before.started
-    models = sorted(tid for tid, s in after.threads.items() if s.name == MODEL)
+    models = sorted((s.started, tid) for tid, s in after.threads.items() if s.name == MODEL)
+    workers = {tid: n for n, (_, tid) in enumerate(models[1:], start=1)}
     rows = []
     for tid, end in after.threads.items():
         start = before.threads.get(tid)
         if start is None:
             continue
-        run = (end.run_ns - start.run_ns) / 1e9
-        wait = (end.wait_ns - start.wait_ns) / 1e9
-        if run / wall_s < least:
+        run = min((end.run_ns - start.run_ns) / 1e9, wall_s)
+        wait = min((end.wait_ns - start.wait_ns) / 1e9, wall_s - run)  # (see the module's docstring)
+        if (run + wait) / wall_s < least:
             continue
         if tid == pid:
             label = "event loop"
+        elif tid in workers:
+            label = WORKER if len(workers) == 1 else f"{WORKER} {workers[tid]}"
         elif end.name == MODEL:
-            label = MODEL if tid == models[0] else f"{MODEL}'s OpenMP worker"
+            label = MODEL
         else:
             label = f"{end.name} {tid}"
         rows.append(
@@ -122,7 +137,7 @@ def shares(pid: int, before: Snapshot, after: Snapshot, requests: int, least: fl
                 label,
                 round(run / wall_s, 3),
                 round(wait / wall_s, 3),
-                round(max(0.0, 1 - (run + wait) / wall_s), 3),
+                round(1 - (run + wait) / wall_s, 3),
                 round(1000 * run / max(requests, 1), 3),
             )
         )
