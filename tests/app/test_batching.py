@@ -587,7 +587,7 @@ def test_closing_one_model_returns_when_its_own_work_is_done() -> None:
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names are read from Linux's /proc")
 def test_the_model_thread_and_the_threads_it_starts_carry_its_name_in_the_os() -> None:
-    """``top -H``, py-spy and ``bench.threads`` tell the model thread by its OS name; an OpenMP
+    """``top -H``, perf and ``bench.threads`` tell the model thread by its OS name; an OpenMP
     worker it starts (here any thread it starts) inherits the name."""
     thread = ModelThread("model")
 

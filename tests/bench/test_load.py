@@ -16,10 +16,9 @@ from bench.load import Connection, served_folder, server_timing
 from bench.plot import decode_figure, plot, plot_decode, plot_serving, read_rows
 from bench.plot import main as plot_main
 from bench.stats import percentile
-from bench.threads import listening_pid
+from bench.threads import listening_pid, sample
 from tests.helpers import ROOT, free_port, running_server
 
-SCHEDSTAT = Path(f"/proc/self/task/{os.getpid()}/schedstat").exists()  # bench.threads reads it
 KEYS = {"concurrency", "batching", "requests", "rps", "p50_ms", "p95_ms", "p99_ms", "errors"}
 
 
@@ -56,7 +55,8 @@ def test_url_measures_a_running_server_with_its_phases(tiny_weights_dir: Path, d
         cmd += ["--beam-size", "1", "--data", str(data_dir)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
         # bench.threads sees the server where /proc shows who listens and the kernel keeps schedstat
-        visible = SCHEDSTAT and listening_pid(int(url.rsplit(":", 1)[1])) is not None
+        pid = listening_pid(int(url.rsplit(":", 1)[1]))
+        visible = pid is not None and sample(pid) is not None
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [(r["batching"], r["concurrency"]) for r in rows] == [("external", 1), ("external", 4)]

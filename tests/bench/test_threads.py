@@ -7,15 +7,13 @@ import os
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from bench import threads
 
 pytestmark = pytest.mark.skipif(
-    not Path("/proc/self/task").is_dir() or not Path(f"/proc/self/task/{os.getpid()}/schedstat").exists(),
-    reason="needs Linux's /proc with schedstat (the kernel's CONFIG_SCHED_INFO)",
+    threads.sample(os.getpid()) is None, reason="needs Linux's /proc with schedstat (the kernel's CONFIG_SCHED_INFO)"
 )
 
 
