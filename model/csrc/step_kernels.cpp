@@ -9,8 +9,8 @@
 // their own kernel here (see "Matrix products of a few rows"); larger ones stay in torch (MKL).
 //
 // Float32, CPU, contiguous rows (the KV cache float32 or float16); model/fused.py checks what it
-// passes. Work is split over torch's own thread pool (at::parallel_for) only when it is large
-// enough to pay for the split.
+// passes. Work is split over torch's own thread pool (``parallel_chunks``, on at::parallel_for) only
+// when it is large enough to pay for the split.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #if defined(__F16C__)
@@ -18,6 +18,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,6 +29,32 @@ namespace {
 
 // Multiply-adds a task should have before it is worth a thread of its own.
 constexpr int64_t kGrainWork = 32768;
+
+// Chunks a split of the work has for each thread taking part (``parallel_chunks``).
+constexpr int64_t kChunksPerThread = 8;
+
+// f(lo, hi) over [begin, end) on torch's threads, as at::parallel_for with the same grain, but
+// in chunks (kChunksPerThread a thread) that each thread claims in turn from a shared counter
+// instead of one fixed share each. When the OS preempts one of the threads mid-split (a server's
+// event loop wakes up on its core), the others take over its unclaimed chunks rather than finish
+// their own share and wait at the end for its; with fixed shares both cores lost the time the
+// preempted one was off its core (docs/benchmarks.md "Chunks claimed, not shares"). Which thread
+// does an item never changes its result: every item's arithmetic is its own.
+template <typename F>
+void parallel_chunks(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
+  if (threads <= 1 || at::in_parallel_region()) {
+    f(begin, end);
+    return;
+  }
+  const int64_t chunk = std::max(grain, (n + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
+  std::atomic<int64_t> next{begin};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t lo = next.fetch_add(chunk); lo < end; lo = next.fetch_add(chunk)) f(lo, std::min(end, lo + chunk));
+  });
+}
 
 // Sums in a fixed order, whatever the compiler vectorizes and however the data is aligned: kLanes
 // running sums (lane l takes elements l, l + kLanes, ...) added up in order, then the tail. (An
@@ -359,7 +386,7 @@ torch::Tensor self_attend(const torch::Tensor& qkv, torch::Tensor k, torch::Tens
     using T = decltype(type);
     T* kp = static_cast<T*>(k.data_ptr());
     T* vp = static_cast<T*>(v.data_ptr());
-    at::parallel_for(0, r * h, grain, [&](int64_t begin, int64_t end) {
+    parallel_chunks(0, r * h, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> p(n + dh);  // the softmax weights, then a float16 row widened
       for (int64_t i = begin; i < end; i++) {
         const int64_t row = i / h, head = i % h;
@@ -408,7 +435,7 @@ torch::Tensor cross_attend(const torch::Tensor& q, const torch::Tensor& k, const
     using T = decltype(type);
     const T* kp = static_cast<const T*>(k.data_ptr());
     const T* vp = static_cast<const T*>(v.data_ptr());
-    at::parallel_for(0, r * h, grain, [&](int64_t begin, int64_t end) {
+    parallel_chunks(0, r * h, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> p(s + dh);  // the softmax weights, then a float16 row widened
       for (int64_t i = begin; i < end; i++) {
         const int64_t row = i / h, head = i % h, sentence = row / w;
@@ -441,7 +468,7 @@ torch::Tensor encoder_attend(const torch::Tensor& qkv, const torch::Tensor& mask
   const bool* m = mask.data_ptr<bool>();
   float* op = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, kGrainWork / (2 * s * dh));
-  at::parallel_for(0, rows * heads, grain, [&](int64_t begin, int64_t end) {
+  parallel_chunks(0, rows * heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> p(s);
     for (int64_t i = begin; i < end; i++) {
       const int64_t row = i / heads, head = i % heads, first = row / s * s;  // the sentence's first position
@@ -480,7 +507,7 @@ torch::Tensor encoder_attend_ragged(const torch::Tensor& qkv, const torch::Tenso
   const float* x = qkv.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, kGrainWork / (2 * std::max<int64_t>(1, rows / std::max<int64_t>(1, b)) * dh));
-  at::parallel_for(0, rows * heads, grain, [&](int64_t begin, int64_t end) {
+  parallel_chunks(0, rows * heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> p(longest);
     for (int64_t i = begin; i < end; i++) {
       const int64_t row = i / heads, head = i % heads, start = first[row];
@@ -532,7 +559,7 @@ void gather_rows_(const torch::Tensor& src_k, const torch::Tensor& src_v, const 
     const int64_t d0 = dst->stride(0), d1 = dst->stride(1), d2 = dst->stride(2);
     const bool whole = s2 == dh && d2 == dh;  // a head's positions are one block
     const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(1, heads * length * dh));
-    at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    parallel_chunks(0, total, grain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; i++) {
         const int64_t lo = skips ? std::clamp<int64_t>(from_position[i], 0, length) : 0;
         for (int64_t h = 0; h < heads; h++) {
@@ -681,7 +708,7 @@ torch::Tensor add_norm_(torch::Tensor x, const torch::Tensor& y, const torch::Te
   const float* yp = y.data_ptr<float>();
   const float* g = weight.data_ptr<float>();
   const float* be = bias.data_ptr<float>();
-  at::parallel_for(0, r, std::max<int64_t>(1, kGrainWork / (4 * d)), [&](int64_t begin, int64_t end) {
+  parallel_chunks(0, r, std::max<int64_t>(1, kGrainWork / (4 * d)), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; row++) {
       float* xr = xp + row * d;
       const float* yr = yp + row * d;
@@ -797,7 +824,7 @@ std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch
   const int64_t* h = history.data_ptr<int64_t>();
   int64_t* oh = out_history.data_ptr<int64_t>();
   const float penalty_alpha = static_cast<float>(alpha);
-  at::parallel_for(0, a, std::max<int64_t>(1, kGrainWork / (w * c)), [&](int64_t begin, int64_t end) {
+  parallel_chunks(0, a, std::max<int64_t>(1, kGrainWork / (w * c)), [&](int64_t begin, int64_t end) {
     std::vector<float> row(c), row_best(w * k), best(k);
     std::vector<int64_t> row_index(w * k), index(k);
     for (int64_t i = begin; i < end; i++) {
@@ -939,7 +966,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch
   const Product p{x.data_ptr<float>(), w.data_ptr<float>(), bias_data(bias, n), out.data_ptr<float>(), k, n, relu};
   const int64_t blocks = n / kBlockN;
   const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(1, kBlockN * k * rows));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  parallel_chunks(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; b++) {
       int64_t r = 0;
       for (; r + 4 <= rows; r += 4) tiles<4>(p, r, b * kBlockN);
@@ -1068,7 +1095,7 @@ torch::Tensor panel_columns(const torch::Tensor& x, const torch::Tensor& panels,
   const float* bp = bias_data(bias, n);
   float* op = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(1, kPanel * k * rows));
-  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+  parallel_chunks(0, count, grain, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; p++) {
       const float* panel = wp + p * k * kPanel;
       const float* b = bp == nullptr ? nullptr : bp + p * kPanel;
