@@ -134,6 +134,7 @@ class Beams:
         eos_id: int,
         vocab: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """logits: (A, W, V) float32 next-token logits of each sentence's first W hypotheses
         (W = 1 at a batch's first step, else K; may be overwritten with their log-probabilities),
@@ -142,6 +143,10 @@ class Beams:
         operation a step), vocab: (V,) the token id of each logit column
         when the logits cover a shortlist (None: column i is token i), bias: (A, 1, V) added to
         the logits first (a shortlist's -inf outside each sentence's own columns), or None
+        ``rows`` (A*W,) int64, kernels only: the step computed only some rows, and ``logits`` is
+        (R', V): entry i*W + r is the logits row of sentence i's row r, or -1 for a row not
+        computed, which must be at -inf (a joining sentence's copies of its first row at its first
+        step: ``DecodeSession``); None: every row, logits (A, W, V)
         -> back-pointer rows (A*K,) into the A*W (None for greedy search: rows stay in
         place), and the tokens chosen (A, K).
 
@@ -158,17 +163,19 @@ class Beams:
         the finished hypotheses' bookkeeping. The fused kernels (``model.fused``) do it all in
         one call, by the same rules.
         """
-        a, w, columns = logits.shape
         k = self.k
         if self.kernels is not None:  # all of it in one call
             empty = _EMPTY[logits.device]
             state = (self.scores, self.length, self.finished, self.eos, self.history)
             state, self.done = self.kernels.advance(
                 logits, empty[0] if bias is None else bias, empty[1] if vocab is None else vocab, start, now, *state,
-                alpha, eos_id, self.pad_id,
+                alpha, eos_id, self.pad_id, empty[1] if rows is None else rows,
             )  # fmt: skip
             self.scores, tok, back, self.history, self.eos, self.length, self.finished = state
             return (back if k > 1 else None), tok
+        if rows is not None:
+            raise ValueError("logits of some rows need the fused kernels' advance")
+        a, w, columns = logits.shape
         self.done = None
         step = now - start  # (A,)
         if bias is not None:

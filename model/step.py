@@ -183,6 +183,7 @@ class _FewRows:
 
 _NO_BIAS = torch.empty(0)
 _ALL_VISIBLE = torch.empty(0, dtype=torch.bool)  # ``self_attend``'s mask when every row sees every cached key
+_EVERY_ROW = torch.empty(0, dtype=torch.long)  # the kernels' row maps when a step computes every row
 
 
 def _few_rows(model: Transformer, kernels: ModuleType | None) -> _FewRows:
@@ -355,6 +356,7 @@ class DecoderStep:
         self_mask: torch.Tensor | None = None,
         output: torch.Tensor | None = None,
         output_panels: Callable[[ModuleType], torch.Tensor] | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One incremental step. tokens: (R,) the last emitted ids, R = B * W (W hypotheses
         per sentence); memory_mask (B, 1, 1, S) -> logits (R, V), or (R, C) over the rows
@@ -363,7 +365,14 @@ class DecoderStep:
 
         By default every row is at position ``cache.length`` and sees every cached key. Rows
         that joined a running batch later pass their own ``positions`` (R,) and a ``self_mask``
-        (R, 1, 1, cache.length + 1) that hides the keys from before they joined."""
+        (R, 1, 1, cache.length + 1) that hides the keys from before they joined.
+
+        ``rows`` (R',) int64, fused kernels only (``fused``): compute only these of the cache's
+        B * W rows; tokens, positions and self_mask are then theirs (R' of each), and so are the
+        logits. The other rows' keys and values at this position are left unwritten: for rows
+        that nothing reads from there on (``DecodeSession``'s joiners' copies)."""
+        if rows is not None and self.fused is None:
+            raise ValueError("computing some of the rows needs the fused kernels")
         length = cache.length
         if positions is None:
             if length >= self.max_positions:
@@ -373,7 +382,7 @@ class DecoderStep:
             where = self.positions[positions]  # (R, D)
         if self.fused is not None:
             x = self.fused.embed(tokens, self.tokens, where, self.embed_scale)  # (R, D)
-            x = self._fused_layers(x, cache, memory_mask, self_mask)
+            x = self._fused_layers(x, cache, memory_mask, self_mask, rows)
         else:
             embedded = F.embedding(tokens, self.tokens)
             if embedded.dtype != where.dtype:  # a float16 lookup table (checkpoint.release_output_projection)
@@ -418,12 +427,18 @@ class DecoderStep:
         return x
 
     def _fused_layers(
-        self, x: torch.Tensor, cache: KVCache, memory_mask: torch.Tensor, self_mask: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        cache: KVCache,
+        memory_mask: torch.Tensor,
+        self_mask: torch.Tensor | None,
+        computed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x (R, D) through every layer, each attention sub-layer and post-LN residual join one
-        call of the fused kernels (``model.fused``) -> (R, D)."""
+        call of the fused kernels (``model.fused``) -> (R, D); ``computed``: ``__call__``'s ``rows``."""
         fused, scale, post = self.fused, self.scale_value, not self.norm_first
         assert fused is not None
+        cache_rows = _EVERY_ROW if computed is None else computed
         visible = _ALL_VISIBLE if self_mask is None else self_mask.reshape(x.shape[0], -1)
         rows = self._memory_rows
         if rows is None or rows[0] is not memory_mask:
@@ -435,16 +450,18 @@ class DecoderStep:
             params, eps = self.stack
             return fused.decoder_layers(
                 x, params, [k for k, _, _ in slots], [v for _, v, _ in slots], [p for _, _, p in slots], visible,
-                [m.k for m in memories], [m.v for m in memories], source, scale, eps,
+                [m.k for m in memories], [m.v for m in memories], source, scale, eps, cache_rows,
             )  # fmt: skip
+        width = cache.batch_size // cache.sentences
+        sentences = _EVERY_ROW if computed is None else computed.div(width, rounding_mode="floor")
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             k, v, position = layer_cache.self_attention.next_slot()
             qkv = layer.qkv(x if post else layer.self_norm(x), False)  # (R, 3D)
-            y = layer.self_out(fused.self_attend(qkv, k, v, position, visible, scale), False)
+            y = layer.self_out(fused.self_attend(qkv, k, v, position, visible, scale, cache_rows), False)
             x = _join(fused, x, y, layer.self_norm, post)
             cross = layer_cache.cross_attention
             q = layer.cross_q(x if post else layer.cross_norm(x), False)
-            y = layer.cross_out(fused.cross_attend(q, cross.k, cross.v, source, scale), False)
+            y = layer.cross_out(fused.cross_attend(q, cross.k, cross.v, source, scale, sentences), False)
             x = _join(fused, x, y, layer.cross_norm, post)
             y = layer.fc2(layer.fc1(x if post else layer.ff_norm(x), True), False)
             x = _join(fused, x, y, layer.ff_norm, post)

@@ -354,19 +354,35 @@ const float* bias_data(const torch::Tensor& bias, int64_t n) {
   return bias.data_ptr<float>();
 }
 
+// An optional index vector (an empty tensor: none): contiguous int64 on the CPU, `n` entries, each
+// in [0, limit). -> its data, or nullptr when empty.
+const int64_t* index_data(const torch::Tensor& index, int64_t n, int64_t limit, const char* name) {
+  if (index.numel() == 0) return nullptr;
+  TORCH_CHECK(index.scalar_type() == torch::kInt64 && index.dim() == 1 && index.is_contiguous() && index.is_cpu() &&
+                  index.numel() == n,
+              name, " must be a contiguous int64 CPU vector of ", n, " entries");
+  const int64_t* data = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; i++) TORCH_CHECK(data[i] >= 0 && data[i] < limit, name, ": ", data[i], " out of range");
+  return data;
+}
+
 }  // namespace
 
 // Self-attention of one decoder step. qkv (R, 3D): each row's query, key and value, heads
-// side by side. k, v (R, H, slots, Dh): the cache; the new key and value are written at
+// side by side. k, v (N, H, slots, Dh): the cache; the new key and value are written at
 // position `pos`, and each row attends over positions 0..pos, those with visible[r][j] false
-// left out (visible: (R, pos + 1) bool, or an empty tensor: all visible). -> (R, D), heads merged.
+// left out (visible: (R, pos + 1) bool, or an empty tensor: all visible). rows (R,) int64: the
+// cache row of each row (a step that computes only some of the cache's rows), or an empty
+// tensor: row r is cache row r (N = R). -> (R, D), heads merged.
 torch::Tensor self_attend(const torch::Tensor& qkv, torch::Tensor k, torch::Tensor v, int64_t pos,
-                          const torch::Tensor& visible, double scale) {
+                          const torch::Tensor& visible, double scale, const torch::Tensor& rows) {
   check_rows(qkv, "qkv");
   check_cache(k, "k");
   check_cache(v, "v");
   const int64_t r = qkv.size(0), d = qkv.size(1) / 3, h = k.size(1), dh = k.size(3);
-  TORCH_CHECK(k.size(0) == r && v.size(0) == r && h * dh == d && pos < k.size(2) && pos < v.size(2),
+  const int64_t* cache_row = index_data(rows, r, std::min(k.size(0), v.size(0)), "rows");
+  TORCH_CHECK((cache_row != nullptr || (k.size(0) == r && v.size(0) == r)) && h * dh == d && pos < k.size(2) &&
+                  pos < v.size(2),
               "self_attend: the cache does not match qkv or has no room at position ", pos);
   const bool masked = visible.numel() > 0;
   if (masked) {
@@ -389,10 +405,10 @@ torch::Tensor self_attend(const torch::Tensor& qkv, torch::Tensor k, torch::Tens
     parallel_chunks(0, r * h, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> p(n + dh);  // the softmax weights, then a float16 row widened
       for (int64_t i = begin; i < end; i++) {
-        const int64_t row = i / h, head = i % h;
+        const int64_t row = i / h, head = i % h, at = cache_row == nullptr ? row : cache_row[row];
         const float* q = in + row * 3 * d + head * dh;
-        T* kb = kp + row * k0 + head * k1;
-        T* vb = vp + row * v0 + head * v1;
+        T* kb = kp + at * k0 + head * k1;
+        T* vb = vp + at * v0 + head * v1;
         store(q + d, kb + pos * k2, dh);
         store(q + 2 * d, vb + pos * v2, dh);
         float* o = op + row * d + head * dh;
@@ -406,14 +422,17 @@ torch::Tensor self_attend(const torch::Tensor& qkv, torch::Tensor k, torch::Tens
 
 // Cross-attention of one decoder step. q (R, D) queries, R = B * W (W consecutive rows per
 // sentence); k, v (B, H, S, Dh) the sentences' projected memory; mask (B, S) bool, true where a
-// source position may be attended (or an empty tensor: all). -> (R, D), heads merged.
+// source position may be attended (or an empty tensor: all). sentences (R,) int64: each row's
+// sentence (a step that computes only some of the rows), or an empty tensor: row r's is r / W.
+// -> (R, D), heads merged.
 torch::Tensor cross_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                           const torch::Tensor& mask, double scale) {
+                           const torch::Tensor& mask, double scale, const torch::Tensor& sentences) {
   check_rows(q, "q");
   check_cache(k, "k");
   check_cache(v, "v");
   const int64_t r = q.size(0), d = q.size(1), b = k.size(0), h = k.size(1), s = k.size(2), dh = k.size(3);
-  TORCH_CHECK(b > 0 && r % b == 0 && h * dh == d && v.size(0) == b && v.size(2) == s,
+  const int64_t* sentence_of = index_data(sentences, r, b, "sentences");
+  TORCH_CHECK(b > 0 && (sentence_of != nullptr || r % b == 0) && h * dh == d && v.size(0) == b && v.size(2) == s,
               "cross_attend: memory of ", b, " sentences for ", r, " rows");
   const bool masked = mask.numel() > 0;
   if (masked) {
@@ -438,7 +457,7 @@ torch::Tensor cross_attend(const torch::Tensor& q, const torch::Tensor& k, const
     parallel_chunks(0, r * h, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> p(s + dh);  // the softmax weights, then a float16 row widened
       for (int64_t i = begin; i < end; i++) {
-        const int64_t row = i / h, head = i % h, sentence = row / w;
+        const int64_t row = i / h, head = i % h, sentence = sentence_of == nullptr ? row / w : sentence_of[row];
         const float* qh = qp + row * d + head * dh;
         const T* kb = kp + sentence * k0 + head * k1;
         const T* vb = vp + sentence * v0 + head * v1;
@@ -758,17 +777,32 @@ inline float length_penalty(int64_t n, float alpha) {
 // step each sentence joined at and `now` the batch's step (a sentence has now - start tokens so
 // far); the beams' state (A, K): scores (raw cumulative log P, float32), lengths
 // (int64), finished and eos (bool), history (A, K, T) int64 (greedy: written in place).
+// rows (A * W,) int64, or an empty tensor: where the step computed only some rows (a sentence that
+// joins a running beam batch decodes one row at its first step; its other W - 1 are copies of it at
+// -inf), logits is (R', C) and entry i * W + r the logits row of sentence i's row r, -1 for a row at
+// -inf that was not computed (its candidates are all -inf: never chosen while the sentence has K
+// finite ones, which every row with a score does, K <= C).
 // -> ({scores, tokens, back-pointers (A * K) into the A * W rows (empty for greedy), history,
 // eos, lengths, finished}: the beams' next state, [the sentences all of whose hypotheses are
 // finished now]). Greedy search (K = 1) never sees a finished row.
 std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch::Tensor& logits, const torch::Tensor& bias, const torch::Tensor& vocab,
                                    const torch::Tensor& start, int64_t now, const torch::Tensor& scores, const torch::Tensor& lengths,
                                    const torch::Tensor& finished, const torch::Tensor& eos, torch::Tensor history,
-                                   double alpha, int64_t eos_id, int64_t pad_id) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == torch::kFloat32 && logits.dim() == 3 &&
+                                   double alpha, int64_t eos_id, int64_t pad_id, const torch::Tensor& rows) {
+  const bool some = rows.numel() > 0;
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == torch::kFloat32 && logits.dim() == (some ? 2 : 3) &&
                   logits.is_contiguous(),
-              "logits must be a contiguous float32 (A, W, C) CPU tensor");
-  const int64_t a = logits.size(0), w = logits.size(1), c = logits.size(2), k = scores.size(-1);
+              "logits must be a contiguous float32 (A, W, C) CPU tensor, or (R', C) with rows");
+  const int64_t a = scores.size(0), k = scores.size(-1);
+  const int64_t w = some ? (a > 0 ? rows.numel() / a : 0) : logits.size(1), c = logits.size(-1);
+  TORCH_CHECK(some || logits.size(0) == a, "advance: logits of ", logits.size(0), " sentences for ", a);
+  TORCH_CHECK(!some || (rows.scalar_type() == torch::kInt64 && rows.dim() == 1 && rows.is_contiguous() &&
+                        rows.is_cpu() && a > 0 && rows.numel() == a * w),
+              "rows must be a contiguous int64 CPU vector of A x W entries");
+  const int64_t* logits_row = some ? rows.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; some && i < a * w; i++) {
+    TORCH_CHECK(logits_row[i] >= -1 && logits_row[i] < logits.size(0), "rows: ", logits_row[i], " out of range");
+  }
   TORCH_CHECK(k >= 1 && k <= c && (w == 1 || w == k), "advance: ", w, " rows per sentence for a beam of ", k);
   TORCH_CHECK(scores.scalar_type() == torch::kFloat32 && scores.dim() == 2 && scores.size(0) == a,
               "scores must be float32 (A, K)");
@@ -837,7 +871,14 @@ std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch
           rb[0] = s[i * k + r] / length_penalty(l[i * k + r], penalty_alpha) * scale;
           continue;
         }
-        const float* xr = x + (i * w + r) * c;  // log-softmax, then the row's k best columns
+        const int64_t from_row = logits_row == nullptr ? i * w + r : logits_row[i * w + r];
+        if (from_row < 0) {  // not computed: a copy of the sentence's first row at -inf
+          TORCH_CHECK(s[i * k + r] == -INFINITY, "advance: row ", r, " of sentence ", i, " has a score but no logits");
+          std::fill(rb, rb + k, -INFINITY);
+          for (int64_t j = 0; j < k; j++) row_index[r * k + j] = j;
+          continue;
+        }
+        const float* xr = x + from_row * c;  // log-softmax, then the row's k best columns
         if (bi != nullptr) {
           for (int64_t j = 0; j < c; j++) row[j] = xr[j] + bi[j];
         } else {
@@ -1129,25 +1170,34 @@ torch::Tensor panel_product(const torch::Tensor& x, const torch::Tensor& panels,
 // the order of kLayerParams; self_k, self_v, positions: each layer's cache buffers and the
 // position its new key and value go to (SelfAttentionCache.next_slot); visible as self_attend's;
 // cross_k, cross_v (B, H, S, Dh) each layer's projected memory; source (B, S) bool as
-// cross_attend's mask. -> x, written in place (the joins' add_norm_), (R, D)
+// cross_attend's mask; rows as self_attend's (the cache row of each of x's rows, or empty: all of
+// them, in order; the cache's rows are B x W, each sentence's W consecutive). -> x, written in place
+// (the joins' add_norm_), (R, D)
 constexpr int64_t kLayerParams = 18;  // qkv, self out, cross q, cross out, fc1, fc2 (panels, bias); 3 norms (weight, bias)
 torch::Tensor decoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& params,
                              const std::vector<torch::Tensor>& self_k, const std::vector<torch::Tensor>& self_v,
                              const std::vector<int64_t>& positions, const torch::Tensor& visible,
                              const std::vector<torch::Tensor>& cross_k, const std::vector<torch::Tensor>& cross_v,
-                             const torch::Tensor& source, double scale, double eps) {
+                             const torch::Tensor& source, double scale, double eps, const torch::Tensor& rows) {
   const size_t layers = self_k.size();
   TORCH_CHECK(params.size() == layers * kLayerParams && self_v.size() == layers && positions.size() == layers &&
                   cross_k.size() == layers && cross_v.size() == layers,
               "decoder_layers: ", kLayerParams, " parameters and one cache of each kind per layer");
+  torch::Tensor sentences = torch::empty({0}, rows.options());  // each row's sentence, where not all rows run
+  if (rows.numel() > 0 && layers > 0) {
+    const int64_t b = cross_k[0].size(0), n = self_k[0].size(0);
+    TORCH_CHECK(b > 0 && n % b == 0, "decoder_layers: ", n, " cache rows for ", b, " sentences");
+    sentences = rows.div(n / b, "floor");
+  }
   for (size_t i = 0; i < layers; i++) {
     const torch::Tensor* p = params.data() + i * kLayerParams;
     const auto qkv = panel_linear(x, p[0], p[1], false);
-    x = add_norm_(x, panel_linear(self_attend(qkv, self_k[i], self_v[i], positions[i], visible, scale), p[2], p[3], false),
+    x = add_norm_(x, panel_linear(self_attend(qkv, self_k[i], self_v[i], positions[i], visible, scale, rows), p[2], p[3],
+                                  false),
                   p[12], p[13], eps);
     const auto q = panel_linear(x, p[4], p[5], false);
-    x = add_norm_(x, panel_linear(cross_attend(q, cross_k[i], cross_v[i], source, scale), p[6], p[7], false), p[14],
-                  p[15], eps);
+    x = add_norm_(x, panel_linear(cross_attend(q, cross_k[i], cross_v[i], source, scale, sentences), p[6], p[7], false),
+                  p[14], p[15], eps);
     x = add_norm_(x, panel_linear(panel_linear(x, p[8], p[9], true), p[10], p[11], false), p[16], p[17], eps);
   }
   return x;

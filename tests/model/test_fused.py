@@ -29,6 +29,7 @@ from tests.model.test_decoding import sources
 HERE = kernels.detected()
 # every variant this CPU can run: its own and the narrower ones
 RUNNABLE = sorted({kernels.fused_variant(f) for f in (HERE, HERE & kernels.AVX2_ONLY, kernels.BASELINE)})
+EVERY = torch.empty(0, dtype=torch.long)  # the kernels' row maps: every row, in order
 
 
 def built(variant: str) -> str:
@@ -177,8 +178,8 @@ def test_results_do_not_depend_on_the_threads_that_share_the_work(variant: str) 
         return [
             kernels_module.panel_linear(x, panels, bias, True),
             kernels_module.add_norm_(x.clone(), y, *norm, 1e-5),
-            kernels_module.self_attend(qkv, cache_k, cache_v, 20, torch.empty(0, dtype=torch.bool), 0.125),
-            kernels_module.cross_attend(q, k, v, mask, 0.125),
+            kernels_module.self_attend(qkv, cache_k, cache_v, 20, torch.empty(0, dtype=torch.bool), 0.125, EVERY),
+            kernels_module.cross_attend(q, k, v, mask, 0.125, EVERY),
             into_k,
             into_v,
         ]
@@ -371,6 +372,73 @@ def test_the_cache_reorder_copies_what_index_select_does() -> None:
 
 
 @pytest.mark.parametrize("variant", RUNNABLE)
+def test_the_attention_kernels_compute_some_rows_as_they_compute_all(variant: str) -> None:
+    """A step that computes only some of the cache's rows (a joiner's copies left out): each row's
+    attention is, bit for bit, what the step over every row gives it; the rows left out keep their
+    cache untouched; a row outside the cache is refused."""
+    kernels_module = fused.load(built(variant))
+    assert kernels_module is not None
+    torch.manual_seed(4)
+    r, h, dh, slots, pos, s = 8, 4, 16, 10, 6, 7  # 4 sentences of 2 rows
+    qkv, q = torch.randn(r, 3 * h * dh), torch.randn(r, h * dh)
+    k, v = torch.randn(r, h, slots, dh), torch.randn(r, h, slots, dh)
+    visible = torch.rand(r, pos + 1) > 0.3
+    visible[:, pos] = True
+    memory_k, memory_v = torch.randn(4, h, s, dh), torch.randn(4, h, s, dh)
+    mask = torch.rand(4, s) > 0.2
+    mask[:, 0] = True
+    all_k, all_v = k.clone(), v.clone()
+    every = kernels_module.self_attend(qkv, all_k, all_v, pos, visible, 0.3, EVERY)
+    some = torch.tensor([0, 1, 2, 4, 6, 7])  # sentences 1 and 2 on their first row only
+    some_k, some_v = k.clone(), v.clone()
+    part = kernels_module.self_attend(qkv[some], some_k, some_v, pos, visible[some], 0.3, some)
+    assert torch.equal(part, every[some])
+    assert torch.equal(some_k[some], all_k[some]) and torch.equal(some_v[some], all_v[some])
+    assert torch.equal(some_k[[3, 5]], k[[3, 5]]) and torch.equal(some_v[[3, 5]], v[[3, 5]])
+    cross = kernels_module.cross_attend(q, memory_k, memory_v, mask, 0.3, EVERY)
+    sentences = some.div(2, rounding_mode="floor")
+    assert torch.equal(kernels_module.cross_attend(q[some], memory_k, memory_v, mask, 0.3, sentences), cross[some])
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels_module.self_attend(qkv[:2], k.clone(), v.clone(), pos, visible[:2], 0.3, torch.tensor([0, r]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels_module.cross_attend(q[:2], memory_k, memory_v, mask, 0.3, torch.tensor([0, 4]))
+
+
+@pytest.mark.parametrize("variant", RUNNABLE)
+def test_the_beams_advance_over_some_rows_as_over_all(variant: str) -> None:
+    """The beams' advance given only the rows a step computed (a joining sentence's first row; its
+    copies at -inf marked -1) chooses exactly what it chooses given every row's logits; a row with
+    a score and no logits is refused."""
+    kernels_module = fused.load(built(variant))
+    assert kernels_module is not None
+    torch.manual_seed(5)
+    a, k, c, t, now = 3, 4, 50, 6, 2
+    inf = float("inf")
+    scores = torch.tensor([[-1.0, -2.0, -3.0, -4.0], [0.0, -inf, -inf, -inf], [-0.5, -1.5, -2.5, -6.0]])
+    lengths = torch.tensor([[2] * k, [0] * k, [2] * k])
+    finished, eos = torch.zeros(a, k, dtype=torch.bool), torch.zeros(a, k, dtype=torch.bool)
+    start = torch.tensor([0, now, 0])  # sentence 1 joined since the last step
+    logits = torch.randn(a, k, c)
+    logits[1, 1:] = logits[1, 0]  # its copies compute what its first row does
+    bias = torch.where(torch.rand(a, 1, c) > 0.3, 0.0, -inf)
+    bias[..., :k] = 0.0
+
+    def advance(scored: torch.Tensor, rows: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
+        history = torch.zeros(a, k, t, dtype=torch.long)
+        state = (scores, lengths, finished, eos, history)
+        return kernels_module.advance(scored, bias, EVERY, start, now, *state, 0.6, 3, 0, rows)  # type: ignore[no-any-return]
+
+    computed = [0, 1, 2, 3, 4, 8, 9, 10, 11]
+    rows = torch.tensor([0, 1, 2, 3, 4, -1, -1, -1, 5, 6, 7, 8])
+    every, some = advance(logits, EVERY), advance(logits.view(a * k, c)[computed], rows)
+    assert every[1] == some[1] and all(torch.equal(x, y) for x, y in zip(every[0], some[0], strict=True))
+    alive = rows.clone()
+    alive[1] = -1  # sentence 0's second row has a score
+    with pytest.raises(RuntimeError, match="has a score but no logits"):
+        advance(logits.view(a * k, c)[computed], alive)
+
+
+@pytest.mark.parametrize("variant", RUNNABLE)
 def test_attention_over_a_float16_cache_is_attention_over_its_float32_values(variant: str) -> None:
     """A float16 KV cache (int8 plans: ``KernelPlan.kv_dtype``): ``self_attend`` stores the new
     key and value rounded as torch rounds (tails past the 8-lane conversions included), and both
@@ -386,23 +454,23 @@ def test_attention_over_a_float16_cache_is_attention_over_its_float32_values(var
     visible = torch.rand(r, pos + 1) > 0.3
     visible[:, pos] = True
     k32, v32 = k16.float(), v16.float()
-    out16 = kernels_module.self_attend(qkv, k16, v16, pos, visible, 0.3)
+    out16 = kernels_module.self_attend(qkv, k16, v16, pos, visible, 0.3, EVERY)
     new_k, new_v = qkv[:, h * dh : 2 * h * dh].view(r, h, dh), qkv[:, 2 * h * dh :].view(r, h, dh)
     assert torch.equal(k16[:, :, pos], new_k.half()) and torch.equal(v16[:, :, pos], new_v.half())
     rounded = torch.cat([qkv[:, : h * dh], new_k.half().float().view(r, -1), new_v.half().float().view(r, -1)], 1)
-    out32 = kernels_module.self_attend(rounded, k32, v32, pos, visible, 0.3)
+    out32 = kernels_module.self_attend(rounded, k32, v32, pos, visible, 0.3, EVERY)
     assert torch.equal(out16, out32) and torch.equal(k32, k16.float())
     q = torch.randn(r, h * dh)
     mask = torch.rand(3, slots) > 0.2
     mask[:, 0] = True
-    cross16 = kernels_module.cross_attend(q, k16[:3], v16[:3], mask, 0.3)  # 3 sentences, 2 rows each
-    assert torch.equal(cross16, kernels_module.cross_attend(q, k32[:3], v32[:3], mask, 0.3))
+    cross16 = kernels_module.cross_attend(q, k16[:3], v16[:3], mask, 0.3, EVERY)  # 3 sentences, 2 rows each
+    assert torch.equal(cross16, kernels_module.cross_attend(q, k32[:3], v32[:3], mask, 0.3, EVERY))
     rows = torch.tensor([5, 0, 0])
     into_k, into_v = torch.full((4, h, slots, dh), float("nan")).half(), torch.empty(4, h, slots, dh).half()
     kernels_module.gather_rows_(k16, v16, rows, into_k, into_v, torch.empty(0, dtype=torch.long))
     assert torch.equal(into_k[:3], k16[rows]) and torch.equal(into_v[:3], v16[rows]) and not into_k[3].any()
     with pytest.raises(RuntimeError, match="one dtype"):
-        kernels_module.cross_attend(q, k16[:3], v32[:3], mask, 0.3)
+        kernels_module.cross_attend(q, k16[:3], v32[:3], mask, 0.3, EVERY)
     with pytest.raises(RuntimeError, match="dtypes differ"):
         kernels_module.gather_rows_(k16, v16, rows, into_k.float(), into_v.float(), torch.empty(0, dtype=torch.long))
 
@@ -503,6 +571,35 @@ def test_sentences_joining_a_fused_batch_decode_as_if_alone() -> None:
         assert together[tag].score == pytest.approx(hyp.score, abs=1e-4)
 
 
+def test_a_sentence_joining_a_beam_batch_decodes_one_row_at_its_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sentence that joins a running beam batch has K rows, all copies of its first (at -inf
+    but one); its first step computes the first only, and from then on all K. (What it decodes is
+    what it decodes alone: the test above.)"""
+    model = make_model(seed=5)
+    model.fused_step = built(kernels.fused_variant(HERE))
+    options = DecodingOptions(beam_size=3, max_length_b=6)
+    first, later = pad(sources(3, seed=11), 0), pad(sources(2, seed=12), 0)
+    computed: list[int] = []
+    original = DecoderStep.__call__
+
+    def counting(self: DecoderStep, tokens: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        computed.append(tokens.numel())
+        return original(self, tokens, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DecoderStep, "__call__", counting)
+    with torch.inference_mode():
+        session = DecodeSession(model, options)
+        session.admit(first, [0, 1, 2])
+        session.step()  # the batch's first step: one row a sentence
+        running = session.active
+        session.admit(later, [3, 4])
+        session.step()
+        after = session.active
+        session.step()
+    assert running == 3 and after == 5
+    assert computed == [3, running * 3 + 2, after * 3]
+
+
 @pytest.mark.parametrize("variant", [v for v in RUNNABLE if fused.panel_rows_limit(v) > 0])
 def test_passes_on_panels_alone_run_every_layer_in_one_call(variant: str) -> None:
     """Where every product of a post-LN model runs on packed panels alone (float weights released,
@@ -563,7 +660,7 @@ def test_passes_on_panels_alone_run_every_layer_in_one_call(variant: str) -> Non
     with pytest.raises(RuntimeError, match="parameters per layer"):
         kernels_module.encoder_layers(x, [x] * 5, mask, 4, 1.0, 1e-5)
     with pytest.raises(RuntimeError, match="one cache of each kind per layer"):
-        kernels_module.decoder_layers(x, [x] * 17, [x], [x], [0], mask, [x], [x], x, 1.0, 1e-5)
+        kernels_module.decoder_layers(x, [x] * 17, [x], [x], [0], mask, [x], [x], x, 1.0, 1e-5, EVERY)
 
 
 @pytest.mark.parametrize("variant", [v for v in RUNNABLE if fused.panel_rows_limit(v) > 0])
