@@ -14,10 +14,12 @@ the round with the median requests/s, plus ``rounds_rps`` (a small machine's spe
 LibreTranslate itself: its rows say ``"batching": "external"``). Rows of servers that send
 ``Server-Timing`` (ours) get ``phases_ms``: each phase's median over the run's requests.
 ``--offline`` decodes the same sentences offline (sorted batches of 64, the server's
-``TRANSLATOR_DTYPE``) before each round and adds that round's ``offline_sps`` and ``of_offline``
-(rps / offline_sps) to its rows: how close serving comes to the model's own batched throughput,
-each round against the offline figure measured beside it (a shared host's speed drifts between
-rounds: one offline figure for all of them made the ratios drift with it). With ``--rounds N``
+``TRANSLATOR_DTYPE``) before and after each round and adds that round's ``offline_sps`` (the
+mean of the two; both in ``offline_around``) and ``of_offline`` (rps / offline_sps) to its rows:
+how close serving comes to the model's own batched throughput, each round against offline
+figures measured on both sides of it (a shared host's speed drifts between rounds and within
+minutes: one offline figure for all rounds made the ratios drift with it, and one before each
+round still moved a ratio by a third when the host sped up or slowed down during the round). With ``--rounds N``
 the rows also get ``rounds_offline_sps`` and ``rounds_of_offline``, every round's.
 The clients run in this process, on the same machine as the server, so they share its CPU:
 they speak HTTP/1.1 over keep-alive connections through asyncio streams (``Connection``),
@@ -74,6 +76,7 @@ class LoadResult:
     errors: int
     beam_size: int
     offline_sps: float | None = None  # the same model offline on the same sentences (``--offline``)
+    offline_around: list[float] | None = None  # offline_sps measured before and after the round
     of_offline: float | None = None  # rps / offline_sps
     phases_ms: dict[str, float] | None = None  # median of each Server-Timing phase (servers that send it)
     client_cores: float | None = None  # this process's CPU seconds during the run / its wall seconds
@@ -313,11 +316,14 @@ def main(argv: list[str] | None = None) -> None:
     sentences = read_lines(args.data_dir / "test_2016_flickr.de.gz")
     levels = [int(c) for c in args.concurrency.split(",")]
     runs: dict[tuple[str, int], list[LoadResult]] = {}
+    n = min(args.requests, len(sentences))
+
+    def timed_offline() -> float:
+        return offline_throughput(args.weights, args.data_dir, n, args.beam_size, args.threads)
+
     for _ in range(args.rounds):
-        offline = None
-        if args.offline:  # each round's own: see the module's docstring
-            n = min(args.requests, len(sentences))
-            offline = offline_throughput(args.weights, args.data_dir, n, args.beam_size, args.threads)
+        before = timed_offline() if args.offline else 0.0
+        measured: list[LoadResult] = []
         for mode in args.batching.split(",") if args.url is None else ["external"]:
             with (
                 server(args.weights, mode == "on", args.threads, args.port)
@@ -327,12 +333,18 @@ def main(argv: list[str] | None = None) -> None:
                 asyncio.run(closed_loop(url, sentences[-50:], 4, 50, args.beam_size))  # warm-up
                 for concurrency in levels:
                     result = asyncio.run(closed_loop(url, sentences, concurrency, args.requests, args.beam_size))
-                    result = replace(result, batching=mode)
-                    if offline:
-                        result = replace(result, offline_sps=offline, of_offline=round(result.rps / offline, 3))
-                    runs.setdefault((mode, concurrency), []).append(result)
-                    if args.rounds == 1:
-                        print(json.dumps(asdict(result)), flush=True)
+                    measured.append(replace(result, batching=mode))
+        if args.offline:  # each round's own, from both sides of it: see the module's docstring
+            after = timed_offline()
+            offline = round((before + after) / 2, 2)
+            measured = [
+                replace(r, offline_sps=offline, offline_around=[before, after], of_offline=round(r.rps / offline, 3))
+                for r in measured
+            ]
+        for result in measured:
+            runs.setdefault((result.batching, result.concurrency), []).append(result)
+            if args.rounds == 1:
+                print(json.dumps(asdict(result)), flush=True)
     if args.rounds > 1:  # each row: the round with the median requests/s, and every round's
         for results in runs.values():
             middle = median_row(results, key=lambda r: r.rps)

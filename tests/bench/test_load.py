@@ -101,6 +101,10 @@ def test_cli_prints_one_line_per_run_and_plots(tiny_weights_dir: Path, data_dir:
         assert row["requests"] == 24 and row["errors"] == 0
         assert row["rps"] > 0 and 0 < row["p50_ms"] <= row["p95_ms"] <= row["p99_ms"]
         assert row["offline_sps"] > 0 and row["of_offline"] == round(row["rps"] / row["offline_sps"], 3)
+        # timed on both sides of the round, the same two figures for every row of it
+        before, after = row["offline_around"]
+        assert row["offline_sps"] == round((before + after) / 2, 2)
+        assert row["offline_around"] == rows[0]["offline_around"]
 
     log = tmp_path / "load.jsonl"
     log.write_text("some log line\n" + proc.stdout)
