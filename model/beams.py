@@ -88,7 +88,8 @@ class Beams:
     A sentence joins with one live hypothesis (BOS, score 0) and K - 1 at -inf, so its first
     step's K best candidates all extend the live one. A batch's first step runs one row per
     sentence (the others would be copies of it; K rows cost more row-steps: docs/benchmarks.md);
-    sentences that join a running batch get K rows, like everyone else in it by then.
+    sentences that join a running batch get K rows, like everyone else in it by then (with the fused
+    kernels their first step computes only the first of them: ``advance``'s ``rows``).
     """
 
     def __init__(self, k: int, pad_id: int, device: torch.device, kernels: ModuleType | None = None) -> None:
