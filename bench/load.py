@@ -15,7 +15,8 @@ LibreTranslate itself: its rows say ``"batching": "external"``). Rows of servers
 ``Server-Timing`` (ours) get ``phases_ms``: each phase's median over the run's requests.
 ``--offline`` decodes the same sentences offline (sorted batches of 64, the server's
 ``TRANSLATOR_DTYPE``) before and after each round and adds that round's ``offline_sps`` (the
-mean of the two; both in ``offline_around``) and ``of_offline`` (rps / offline_sps) to its rows:
+mean of the two; both in ``offline_around``; a round's after is the next one's before) and
+``of_offline`` (rps / offline_sps) to its rows:
 how close serving comes to the model's own batched throughput, each round against offline
 figures measured on both sides of it (a shared host's speed drifts between rounds and within
 minutes: one offline figure for all rounds made the ratios drift with it, and one before each
@@ -321,8 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     def timed_offline() -> float:
         return offline_throughput(args.weights, args.data_dir, n, args.beam_size, args.threads)
 
+    after = None  # the last round's offline figure after it: the next round's before it
     for _ in range(args.rounds):
-        before = timed_offline() if args.offline else 0.0
+        before = (timed_offline() if after is None else after) if args.offline else 0.0
         measured: list[LoadResult] = []
         for mode in args.batching.split(",") if args.url is None else ["external"]:
             with (
@@ -334,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
                 for concurrency in levels:
                     result = asyncio.run(closed_loop(url, sentences, concurrency, args.requests, args.beam_size))
                     measured.append(replace(result, batching=mode))
+                    if args.rounds == 1 and not args.offline:  # (with --offline: once the round is timed after)
+                        print(json.dumps(asdict(measured[-1])), flush=True)
         if args.offline:  # each round's own, from both sides of it: see the module's docstring
             after = timed_offline()
             offline = round((before + after) / 2, 2)
@@ -343,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
             ]
         for result in measured:
             runs.setdefault((result.batching, result.concurrency), []).append(result)
-            if args.rounds == 1:
+            if args.rounds == 1 and args.offline:
                 print(json.dumps(asdict(result)), flush=True)
     if args.rounds > 1:  # each row: the round with the median requests/s, and every round's
         for results in runs.values():

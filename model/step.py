@@ -452,8 +452,9 @@ class DecoderStep:
                 x, params, [k for k, _, _ in slots], [v for _, v, _ in slots], [p for _, _, p in slots], visible,
                 [m.k for m in memories], [m.v for m in memories], source, scale, eps, cache_rows,
             )  # fmt: skip
-        width = cache.batch_size // cache.sentences
-        sentences = _EVERY_ROW if computed is None else computed.div(width, rounding_mode="floor")
+        sentences = _EVERY_ROW
+        if computed is not None:  # each computed row's sentence (the cache's rows are W a sentence)
+            sentences = computed.div(cache.batch_size // cache.sentences, rounding_mode="floor")
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             k, v, position = layer_cache.self_attention.next_slot()
             qkv = layer.qkv(x if post else layer.self_norm(x), False)  # (R, 3D)

@@ -355,14 +355,22 @@ const float* bias_data(const torch::Tensor& bias, int64_t n) {
 }
 
 // An optional index vector (an empty tensor: none): contiguous int64 on the CPU, `n` entries, each
-// in [0, limit). -> its data, or nullptr when empty.
-const int64_t* index_data(const torch::Tensor& index, int64_t n, int64_t limit, const char* name) {
+// in [0, limit), each at most once where `distinct` (rows that are written: two threads writing one
+// row would race). -> its data, or nullptr when empty.
+const int64_t* index_data(const torch::Tensor& index, int64_t n, int64_t limit, const char* name, bool distinct) {
   if (index.numel() == 0) return nullptr;
   TORCH_CHECK(index.scalar_type() == torch::kInt64 && index.dim() == 1 && index.is_contiguous() && index.is_cpu() &&
                   index.numel() == n,
               name, " must be a contiguous int64 CPU vector of ", n, " entries");
   const int64_t* data = index.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; i++) TORCH_CHECK(data[i] >= 0 && data[i] < limit, name, ": ", data[i], " out of range");
+  std::vector<bool> seen(distinct ? limit : 0);
+  for (int64_t i = 0; i < n; i++) {
+    TORCH_CHECK(data[i] >= 0 && data[i] < limit, name, ": ", data[i], " out of range");
+    if (distinct) {
+      TORCH_CHECK(!seen[data[i]], name, ": ", data[i], " more than once");
+      seen[data[i]] = true;
+    }
+  }
   return data;
 }
 
@@ -380,7 +388,7 @@ torch::Tensor self_attend(const torch::Tensor& qkv, torch::Tensor k, torch::Tens
   check_cache(k, "k");
   check_cache(v, "v");
   const int64_t r = qkv.size(0), d = qkv.size(1) / 3, h = k.size(1), dh = k.size(3);
-  const int64_t* cache_row = index_data(rows, r, std::min(k.size(0), v.size(0)), "rows");
+  const int64_t* cache_row = index_data(rows, r, std::min(k.size(0), v.size(0)), "rows", true);
   TORCH_CHECK((cache_row != nullptr || (k.size(0) == r && v.size(0) == r)) && h * dh == d && pos < k.size(2) &&
                   pos < v.size(2),
               "self_attend: the cache does not match qkv or has no room at position ", pos);
@@ -431,7 +439,7 @@ torch::Tensor cross_attend(const torch::Tensor& q, const torch::Tensor& k, const
   check_cache(k, "k");
   check_cache(v, "v");
   const int64_t r = q.size(0), d = q.size(1), b = k.size(0), h = k.size(1), s = k.size(2), dh = k.size(3);
-  const int64_t* sentence_of = index_data(sentences, r, b, "sentences");
+  const int64_t* sentence_of = index_data(sentences, r, b, "sentences", false);
   TORCH_CHECK(b > 0 && (sentence_of != nullptr || r % b == 0) && h * dh == d && v.size(0) == b && v.size(2) == s,
               "cross_attend: memory of ", b, " sentences for ", r, " rows");
   const bool masked = mask.numel() > 0;
@@ -780,8 +788,9 @@ inline float length_penalty(int64_t n, float alpha) {
 // rows (A * W,) int64, or an empty tensor: where the step computed only some rows (a sentence that
 // joins a running beam batch decodes one row at its first step; its other W - 1 are copies of it at
 // -inf), logits is (R', C) and entry i * W + r the logits row of sentence i's row r, -1 for a row at
-// -inf that was not computed (its candidates are all -inf: never chosen while the sentence has K
-// finite ones, which every row with a score does, K <= C).
+// -inf that was not computed. Such a row's candidates are all -inf, as they were when it was
+// computed, and it is never chosen: its first row's K candidates come before it in the ranking,
+// and top_k keeps the earlier of equal values.
 // -> ({scores, tokens, back-pointers (A * K) into the A * W rows (empty for greedy), history,
 // eos, lengths, finished}: the beams' next state, [the sentences all of whose hypotheses are
 // finished now]). Greedy search (K = 1) never sees a finished row.

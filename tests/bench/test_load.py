@@ -147,7 +147,7 @@ def test_rounds_report_each_rows_median_round(tiny_weights_dir: Path, data_dir: 
     assert [(r["batching"], r["concurrency"]) for r in rows] == [("on", 1), ("on", 4)]
     for row in rows:
         assert len(row["rounds_rps"]) == 3 and row["rps"] == sorted(row["rounds_rps"])[1]
-        # each round set against the offline figure measured before it: the median round's own
+        # each round set against the offline figures measured around it: the median round's own
         assert len(row["rounds_of_offline"]) == 3 and row["of_offline"] in row["rounds_of_offline"]
         assert row["of_offline"] == round(row["rps"] / row["offline_sps"], 3)
         assert len(row["rounds_offline_sps"]) == 3 and row["offline_sps"] in row["rounds_offline_sps"]

@@ -402,6 +402,8 @@ def test_the_attention_kernels_compute_some_rows_as_they_compute_all(variant: st
         kernels_module.self_attend(qkv[:2], k.clone(), v.clone(), pos, visible[:2], 0.3, torch.tensor([0, r]))
     with pytest.raises(RuntimeError, match="out of range"):
         kernels_module.cross_attend(q[:2], memory_k, memory_v, mask, 0.3, torch.tensor([0, 4]))
+    with pytest.raises(RuntimeError, match="more than once"):  # two threads would write one cache row
+        kernels_module.self_attend(qkv[:2], k.clone(), v.clone(), pos, visible[:2], 0.3, torch.tensor([1, 1]))
 
 
 @pytest.mark.parametrize("variant", RUNNABLE)
