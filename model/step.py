@@ -438,7 +438,9 @@ class DecoderStep:
         call of the fused kernels (``model.fused``) -> (R, D); ``computed``: ``__call__``'s ``rows``."""
         fused, scale, post = self.fused, self.scale_value, not self.norm_first
         assert fused is not None
-        cache_rows = _EVERY_ROW if computed is None else computed
+        cache_rows, sentences = _EVERY_ROW, _EVERY_ROW
+        if computed is not None:  # each computed row's sentence too (the cache's rows are W a sentence)
+            cache_rows, sentences = computed, computed.div(cache.batch_size // cache.sentences, rounding_mode="floor")
         visible = _ALL_VISIBLE if self_mask is None else self_mask.reshape(x.shape[0], -1)
         rows = self._memory_rows
         if rows is None or rows[0] is not memory_mask:
@@ -450,11 +452,8 @@ class DecoderStep:
             params, eps = self.stack
             return fused.decoder_layers(
                 x, params, [k for k, _, _ in slots], [v for _, v, _ in slots], [p for _, _, p in slots], visible,
-                [m.k for m in memories], [m.v for m in memories], source, scale, eps, cache_rows,
+                [m.k for m in memories], [m.v for m in memories], source, scale, eps, cache_rows, sentences,
             )  # fmt: skip
-        sentences = _EVERY_ROW
-        if computed is not None:  # each computed row's sentence (the cache's rows are W a sentence)
-            sentences = computed.div(cache.batch_size // cache.sentences, rounding_mode="floor")
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             k, v, position = layer_cache.self_attention.next_slot()
             qkv = layer.qkv(x if post else layer.self_norm(x), False)  # (R, 3D)

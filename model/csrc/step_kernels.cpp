@@ -1179,25 +1179,20 @@ torch::Tensor panel_product(const torch::Tensor& x, const torch::Tensor& panels,
 // the order of kLayerParams; self_k, self_v, positions: each layer's cache buffers and the
 // position its new key and value go to (SelfAttentionCache.next_slot); visible as self_attend's;
 // cross_k, cross_v (B, H, S, Dh) each layer's projected memory; source (B, S) bool as
-// cross_attend's mask; rows as self_attend's (the cache row of each of x's rows, or empty: all of
-// them, in order; the cache's rows are B x W, each sentence's W consecutive). -> x, written in place
-// (the joins' add_norm_), (R, D)
+// cross_attend's mask; rows as self_attend's and sentences as cross_attend's (each of x's rows'
+// cache row and sentence, or empty tensors: every row, in order). -> x, written in place (the joins'
+// add_norm_), (R, D)
 constexpr int64_t kLayerParams = 18;  // qkv, self out, cross q, cross out, fc1, fc2 (panels, bias); 3 norms (weight, bias)
 torch::Tensor decoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& params,
                              const std::vector<torch::Tensor>& self_k, const std::vector<torch::Tensor>& self_v,
                              const std::vector<int64_t>& positions, const torch::Tensor& visible,
                              const std::vector<torch::Tensor>& cross_k, const std::vector<torch::Tensor>& cross_v,
-                             const torch::Tensor& source, double scale, double eps, const torch::Tensor& rows) {
+                             const torch::Tensor& source, double scale, double eps, const torch::Tensor& rows,
+                             const torch::Tensor& sentences) {
   const size_t layers = self_k.size();
   TORCH_CHECK(params.size() == layers * kLayerParams && self_v.size() == layers && positions.size() == layers &&
                   cross_k.size() == layers && cross_v.size() == layers,
               "decoder_layers: ", kLayerParams, " parameters and one cache of each kind per layer");
-  torch::Tensor sentences = torch::empty({0}, rows.options());  // each row's sentence, where not all rows run
-  if (rows.numel() > 0 && layers > 0) {
-    const int64_t b = cross_k[0].size(0), n = self_k[0].size(0);
-    TORCH_CHECK(b > 0 && n % b == 0, "decoder_layers: ", n, " cache rows for ", b, " sentences");
-    sentences = rows.div(n / b, "floor");
-  }
   for (size_t i = 0; i < layers; i++) {
     const torch::Tensor* p = params.data() + i * kLayerParams;
     const auto qkv = panel_linear(x, p[0], p[1], false);

@@ -662,7 +662,7 @@ def test_passes_on_panels_alone_run_every_layer_in_one_call(variant: str) -> Non
     with pytest.raises(RuntimeError, match="parameters per layer"):
         kernels_module.encoder_layers(x, [x] * 5, mask, 4, 1.0, 1e-5)
     with pytest.raises(RuntimeError, match="one cache of each kind per layer"):
-        kernels_module.decoder_layers(x, [x] * 17, [x], [x], [0], mask, [x], [x], x, 1.0, 1e-5, EVERY)
+        kernels_module.decoder_layers(x, [x] * 17, [x], [x], [0], mask, [x], [x], x, 1.0, 1e-5, EVERY, EVERY)
 
 
 @pytest.mark.parametrize("variant", [v for v in RUNNABLE if fused.panel_rows_limit(v) > 0])
