@@ -11,6 +11,8 @@ from types import ModuleType
 
 import torch
 
+from model.shortlist import ShortlistColumns
+
 
 @dataclass(frozen=True)
 class Hypothesis:
@@ -22,8 +24,8 @@ class Hypothesis:
     finished: bool
 
 
-# empty float and long tensors: "none" for the fused kernels' optional arguments, per device
-_EMPTY = {torch.device("cpu"): (torch.empty(0), torch.empty(0, dtype=torch.long))}
+# an empty long tensor: "none" for the fused kernels' optional arguments, per device
+_EMPTY = {torch.device("cpu"): torch.empty(0, dtype=torch.long)}
 
 # top_k splits each row into blocks of this many scores (see there), from this many rows on.
 TOP_K_BLOCK = 64
@@ -133,17 +135,18 @@ class Beams:
         now: int,
         alpha: float,
         eos_id: int,
-        vocab: torch.Tensor | None = None,
-        bias: torch.Tensor | None = None,
+        columns: ShortlistColumns | None = None,
+        own: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """logits: (A, W, V) float32 next-token logits of each sentence's first W hypotheses
         (W = 1 at a batch's first step, else K; may be overwritten with their log-probabilities),
         start: (A,) the step each sentence joined at, ``now`` the batch's step (a sentence has
         decoded now - start steps so far: the subtraction is the kernels', not a tensor
-        operation a step), vocab: (V,) the token id of each logit column
-        when the logits cover a shortlist (None: column i is token i), bias: (A, 1, V) added to
-        the logits first (a shortlist's -inf outside each sentence's own columns), or None
+        operation a step), columns: a shortlist's (``model.shortlist.ShortlistColumns``) when the
+        logits cover one: then ``logits`` are (.., N) over the N columns every sentence shares and
+        ``own`` (.., E) each row's over its sentence's own (-inf past its count); None: column i is
+        token i.
         ``rows`` (A*W,) int64, kernels only: the step computed only some rows, and ``logits`` is
         (R', V): entry i*W + r is the logits row of sentence i's row r, or -1 for a row not
         computed, which must be at -inf (a joining sentence's copies of its first row at its first
@@ -168,24 +171,29 @@ class Beams:
         if self.kernels is not None:  # all of it in one call
             empty = _EMPTY[logits.device]
             state = (self.scores, self.length, self.finished, self.eos, self.history)
+            listed = (empty, empty, empty, empty) if columns is None or own is None else (
+                own, columns.always, columns.extra_ids, columns.spans)  # fmt: skip
             state, self.done = self.kernels.advance(
-                logits, empty[0] if bias is None else bias, empty[1] if vocab is None else vocab, start, now, *state,
-                alpha, eos_id, self.pad_id, empty[1] if rows is None else rows,
+                logits, *listed, start, now, *state, alpha, eos_id, self.pad_id, empty if rows is None else rows
             )  # fmt: skip
             self.scores, tok, back, self.history, self.eos, self.length, self.finished = state
             return (back if k > 1 else None), tok
         if rows is not None:
             raise ValueError("logits of some rows need the fused kernels' advance")
-        a, w, columns = logits.shape
         self.done = None
         step = now - start  # (A,)
-        if bias is not None:
-            logits.add_(bias)
-        logp = torch.log_softmax(logits, dim=-1, out=logits).view(a * w, columns)  # in place: no second (R, V) buffer
+        vocab = None  # (A, C): each sentence's token of each column
+        if columns is not None and own is not None:
+            index, valid = columns.padded()  # (A, E)
+            logits = torch.cat([logits, own.masked_fill(~valid[:, None, :], -math.inf)], dim=2)
+            extra = torch.where(valid, columns.extra_ids[index], -1)
+            vocab = torch.cat([columns.always.expand(valid.shape[0], -1), extra], dim=1)
+        a, w, width = logits.shape
+        logp = torch.log_softmax(logits, dim=-1, out=logits).view(a * w, width)  # in place: no second (R, V) buffer
         if k == 1:
             best, tok = logp.max(dim=-1, keepdim=True)  # (A, 1): argmax, the first of equals
             if vocab is not None:
-                tok = vocab[tok]
+                tok = vocab.gather(1, tok)
             self.scores = self.scores + best
             self.length = (step + 1)[:, None]
             self.eos = self.finished = tok == eos_id
@@ -193,7 +201,7 @@ class Beams:
             return None, tok
         logp, tok = top_k(logp, k)  # (A*W, K)
         if vocab is not None:
-            tok = vocab[tok]
+            tok = vocab.gather(1, tok.view(a, w * k)).view(a * w, k)
         candidates = logp.view(a, w, k) + self.scores[:, :w, None]  # raw log P, (A, W, K)
         tok = tok.view(a, w, k)
         any_finished = bool(self.finished[:, :w].any())

@@ -317,7 +317,7 @@ class DecodeSession:
                 vocab = self._vocab = Vocabulary(self.shortlist, model.output_matrix(), step_dtype(model))
                 vocab.claim(self)
             candidates = self.shortlist.candidates_of(src, mask[:, 0, 0], self._kernels)  # padding is no piece
-            vocab.join(candidates, self._kernels)
+            vocab.join(candidates)
         assert self._cache.source_length >= rows.source_width
 
     @torch.inference_mode()
@@ -398,15 +398,19 @@ class DecodeSession:
             positions = None if positions is None else positions[computed]
             self_mask = None if self_mask is None else self_mask[computed]
         step_in = (tokens, cache, rows.memory_mask, positions, self_mask)
-        logits = decoder(*step_in, output=None if vocab is None else vocab.rows,
-                         output_panels=None if vocab is None else vocab.panels, rows=computed)  # fmt: skip
+        columns = None if vocab is None else vocab.columns()  # each sentence's own candidates only
+        logits = decoder(*step_in, output=columns, rows=computed)
+        own = None  # with a shortlist: each row's logits over its sentence's own columns
+        if isinstance(logits, tuple):
+            logits, own = logits
+            own = own if own.dtype == torch.float32 else own.float()
         if logits.dtype != torch.float32:
             logits = logits.float()
         beams = rows.beams
         eos = self.model.config.eos_id
-        ids, bias = (None, None) if vocab is None else (vocab.ids, vocab.bias)  # each sentence's own candidates only
         scored = logits if computed is not None else logits.view(a, w, -1)
-        back, tokens = beams.advance(scored, rows.start, self.steps, alpha, eos, ids, bias, logits_rows)
+        own = own if own is None or computed is not None else own.view(a, w, -1)
+        back, tokens = beams.advance(scored, rows.start, self.steps, alpha, eos, columns, own, logits_rows)
         self.steps += 1
         truncated = [i for i, stop in enumerate(rows.stop_host) if stop <= self.steps]  # at the limit
         if truncated:
@@ -480,6 +484,6 @@ class DecodeSession:
         rows.select(kept, keep)
         vocab = self._own_vocab()
         if vocab is not None:
-            vocab.leave(finished, kept, keep, rows.width)
+            vocab.leave(kept)
         width = rows.source_width
         cache.select_memory(kept, width if width < columns else None)

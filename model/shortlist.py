@@ -7,9 +7,9 @@ The candidates of a sentence are the specials, the ``frequent`` most common targ
 the training data, the source's own pieces (names and numbers are copied through the joint
 vocabulary), and for each source piece the ``per_source`` target pieces most associated with it
 in the training pairs (Dice coefficient of co-occurrence in a sentence pair), as Marian's and
-CTranslate2's vocabulary shortlists do with word alignments. A decoding session scores the
-union of its active sentences' candidates and keeps each sentence to its own (``Vocabulary``),
-so a sentence's translation does not depend on its batch; it is an approximation all the same:
+CTranslate2's vocabulary shortlists do with word alignments. Each row of a decoding session
+scores ``always`` and its own sentence's other candidates, nothing else (``Vocabulary``), so a
+sentence's translation does not depend on its batch; it is an approximation all the same:
 a token the model would choose that is outside a sentence's candidates cannot be chosen (and
 log-probabilities are normalized over its candidates). How close it stays is measured per direction on the validation
 split (docs/benchmarks.md): the parameters were chosen there, never on test.
@@ -25,8 +25,8 @@ same for each run it finishes); ``checkpoint.load_shortlist`` reads it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
-import math
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -136,236 +136,162 @@ def build(
     return Shortlist.from_table(table, always)
 
 
-_WIDE = (torch.float32, torch.float16)  # output matrices the kernels' ``join_columns`` reads (into float32 rows)
+@dataclass(frozen=True)
+class ShortlistColumns:
+    """What a decoder step scores with a shortlist (``Vocabulary.columns``): the ``always`` columns
+    every sentence shares, then each sentence's own, those of its candidates beyond ``always``.
+    A step's logits are (R, N + E): columns [0, N) the tokens ``always`` for every row, and column
+    N + j of a row of sentence i the token ``extra_ids[first + j]`` for j < count, (first, count)
+    = ``spans[i]``, no candidate after (-inf). Each row thus scores its own candidates alone (about
+    2,100 of them on test_2016, where the union of 64 sentences' has ~4,000 columns).
+
+    always (N,) ids; always_rows (N, D) their rows of the output matrix, and ``panels`` the same
+    packed for the fused kernels; extra_ids (T,) and extra_rows (T, D) every active sentence's own
+    ids and rows laid end to end (with unused ones between), spans (A, 2) int64, width E the
+    largest count."""
+
+    always: torch.Tensor
+    always_rows: torch.Tensor
+    panels: Callable[[ModuleType], torch.Tensor]
+    extra_ids: torch.Tensor
+    extra_rows: torch.Tensor
+    spans: torch.Tensor
+    width: int
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> each sentence's own columns as (A, E) indices into ``extra_ids`` and ``extra_rows``
+        (0 past its count) and (A, E) bool, true where a column is its own: for the tensor
+        operations' path (``DecoderStep``, ``Beams.advance``)."""
+        j = torch.arange(self.width, device=self.spans.device)
+        own = j < self.spans[:, 1:]
+        return torch.where(own, self.spans[:, :1] + j, 0), own
 
 
 class Vocabulary:
-    """What a decoding session's steps score with a shortlist: columns (``ids``: the union of its
-    active sentences' candidates, perhaps more), the output matrix's rows for them (``rows``),
-    and which columns are each sentence's own (``bias``: 0 there, -inf elsewhere, so a sentence
-    is translated from its own candidates whatever sentences are decoded beside it).
+    """A decoding session's shortlist columns (``ShortlistColumns``): the rows of the output
+    matrix for ``always``, gathered once (and packed once for the fused kernels), and each active
+    sentence's own candidates beyond them, their rows gathered when it joins and laid end to end
+    in a buffer that grows by doubling and is compacted when it runs out of room. Sentences keep
+    the session's batch order: ``join`` adds them behind the others, ``leave`` keeps the ones
+    that stay, in their new order, without moving their rows.
 
-    Kept up to date at small cost as sentences come and go, by counting (each candidate counts
-    the active sentences that have it): a joining sentence's new candidates are appended as
-    columns (their rows gathered, the other sentences' bias -inf there) and its bias row added;
-    leaving sentences take their bias rows along, and their columns stay until the columns are a
-    quarter more than the union (``SLACK``) and the unused ones cost the rows still decoding
-    enough products to pay for a remake (``remake_work``); then everything is made again from the
-    union. Sentences are in the session's batch order."""
+    Before, the columns were the union of the active sentences' candidates, every row scoring
+    every sentence's columns (a -inf bias kept each to its own): ~4,000 columns a row at 64
+    sentences where its own are ~2,100, and in a continuously fed batch the columns of sentences
+    that had left lingered until a remake paid (docs/benchmarks.md "Each sentence's own columns")."""
 
-    SLACK = 1.25
-    # Unused columns x rows still decoding before a remake pays (each such column costs a step 2 x
-    # D flops a row; a remake and the panels packed again ~2 ms on two Zen 3 cores): the last
-    # sentences of a greedy batch of 64 remade 29 times a pass of test_2016 for products that were
-    # already small, and never remaking on leave ran that pass 8% faster (docs/benchmarks.md "Greedy
-    # rows leave in place"). A continuously fed batch at beam 4 (~230 rows) remakes as before.
-    REMAKE_WORK = 32768
-
-    def __init__(
-        self, shortlist: Shortlist, matrix: torch.Tensor, dtype: torch.dtype, remake_work: int = REMAKE_WORK
-    ) -> None:
-        """matrix (V, D) the output projection; its rows are scored in ``dtype``. ``remake_work``:
-        unused columns x rows left, at least, before leaving sentences make the columns again."""
+    def __init__(self, shortlist: Shortlist, matrix: torch.Tensor, dtype: torch.dtype) -> None:
+        """matrix (V, D) the output projection; its rows are scored in ``dtype``."""
         self.shortlist = shortlist.to(matrix.device)
-        self.remake_work = remake_work
         self.matrix, self.dtype, self.device = matrix, dtype, matrix.device
-        self.counts = torch.zeros(shortlist.vocab_size, dtype=torch.int32, device=self.device)
-        self.counts[self.shortlist.always] = 1  # never taken away
-        self._empty = self.counts.clone()  # the counts with no sentence
-        self.sentences: list[torch.Tensor] = []  # each active sentence's candidates
-        self.remade = 0  # how many times the columns were made from the union (tests read it)
+        self.is_always = torch.zeros(shortlist.vocab_size, dtype=torch.bool, device=self.device)
+        self.is_always[self.shortlist.always] = True
+        self.always_rows = matrix[self.shortlist.always].to(dtype)  # (N, D)
+        self._panels: torch.Tensor | None = None
         self.owner: Callable[[], object] = lambda: None  # the session using it (``claim``)
-        self.column = torch.full_like(self.counts, -1, dtype=torch.long)  # each id's column (-1: none)
-        self._ids = torch.empty(0, dtype=torch.long, device=self.device)
-        self._rows = torch.empty(0, matrix.shape[1], dtype=dtype, device=self.device)
-        self.size = 0
-        self._set_bias(torch.empty(0, 0, device=self.device))
-        self._clean = False  # cleared since the last join (``clear`` has nothing to do)
-        # ``panels``: the columns' rows packed for the fused kernels, in a buffer with room to grow;
-        # the first ``_packed`` columns are packed (columns only ever join at the end, so a join
-        # packs its new ones alone), and ``packed`` counts every column packed (tests read it)
-        self._panel_buffer: torch.Tensor | None = None  # (panels, D, width)
-        self._panel_view: torch.Tensor | None = None  # its first ceil(C / width) panels
-        self._packed = 0
-        self.packed = 0
-        self._remake()
+        # the sentences' own rows stay in float16 where the matrix is (the shipped ones: exact), read
+        # by the fused kernels at half the bytes (``span_logits`` is bound by them)
+        self.rows_dtype = torch.float16 if matrix.dtype == torch.float16 and dtype == torch.float32 else dtype
+        self._ids = torch.empty(0, dtype=torch.long, device=self.device)  # (capacity,) own ids laid end to end
+        self._rows = torch.empty(0, matrix.shape[1], dtype=self.rows_dtype, device=self.device)  # (capacity, D)
+        self.end = 0  # the first unused place in the buffers
+        self.first: list[int] = []  # each active sentence's first place, in batch order
+        self.count: list[int] = []  # and how many it has
+        self.compacted = 0  # how many times the buffers were compacted or grown (tests read it)
+        self._columns: ShortlistColumns | None = None
 
     @property
-    def ids(self) -> torch.Tensor:
-        """(C,) the token id of each column (not sorted)."""
-        return self._views[0]
-
-    @property
-    def rows(self) -> torch.Tensor:
-        """(C, D) the output matrix's rows of ``ids``."""
-        return self._views[1]
-
-    @property
-    def bias(self) -> torch.Tensor:
-        """(A, 1, C) 0 at a sentence's own columns (its candidates and ``always``), -inf elsewhere."""
-        return self._views[2]
-
-    def _set_bias(self, bias: torch.Tensor) -> None:
-        """Every change of the columns or sentences ends here: the new bias (A, C), and the views
-        a decoder step reads (``ids``, ``rows``, ``bias``), made once per change, not every step."""
-        self._bias = bias
-        self._views = (self._ids[: self.size], self._rows[: self.size], bias[:, None, :])
+    def sentences(self) -> int:
+        return len(self.first)
 
     @torch.inference_mode()
     def panels(self, kernels: ModuleType) -> torch.Tensor:
-        """``rows`` packed into the fused kernels' panels (``pack_panels``' layout: (ceil(C / w), D,
-        w), the last panel padded with zeros), for ``panel_product`` over the C columns: on an AMD
-        EPYC Zen 3 the logits of 64 rows over 3,000 columns take 0.7 ms there against MKL's
-        1.3 (docs/benchmarks.md "The panels on a real AVX2 CPU"). Columns only ever join at the
-        end, so only those not packed yet are (from the start of the panel the first of them
-        falls in): a continuously fed batch, whose every admission adds a few columns, packed all
-        of them again each time (docs/benchmarks.md "Admissions without padding"); a remake packs
-        everything. float32 rows only. The returned view is valid until the columns next change."""
+        """``always_rows`` packed into the fused kernels' panels (``pack_panels``' layout: (ceil(N /
+        w), D, w), the last panel padded with zeros), for ``panel_product`` over the N columns:
+        packed once. float32 rows only."""
         width = kernels.panel_width()
-        count = -(-self.size // width)
-        buffer = self._panel_buffer
-        if buffer is None or buffer.shape[0] < count or buffer.shape[2] != width:
-            self._grow_panels(count, width)
-            buffer = self._panel_buffer
-            assert buffer is not None
-        if self._packed < self.size:
-            first = self._packed // width  # (a partly packed panel is packed again whole)
-            chunk = self._rows[first * width : self.size]
-            short = (count - first) * width - chunk.shape[0]
-            if short:
-                chunk = F.pad(chunk, (0, 0, 0, short))
-            buffer[first:count].copy_(chunk.view(count - first, width, -1).transpose(1, 2))
-            self.packed += self.size - first * width
-            self._packed = self.size
-            self._panel_view = None
-        if self._panel_view is None or self._panel_view.shape[0] != count:
-            self._panel_view = buffer[:count]
-        return self._panel_view
+        if self._panels is None or self._panels.shape[2] != width:
+            rows = self.always_rows
+            short = -rows.shape[0] % width
+            self._panels = kernels.pack_panels(F.pad(rows, (0, 0, 0, short)) if short else rows.contiguous())
+        return self._panels
 
-    def _grow_panels(self, count: int, width: int) -> None:
-        """A panel buffer for at least ``count`` panels (a quarter more, at most the vocabulary's),
-        keeping the whole panels packed so far."""
-        most = -(-self.shortlist.vocab_size // width)
-        grown = torch.empty(min(most, max(count, count + count // 4)), self.matrix.shape[1], width, device=self.device)
-        old = self._panel_buffer
-        whole = self._packed // width if old is not None and old.shape[2] == width else 0
-        if old is not None and whole:
-            grown[:whole] = old[:whole]
-        self._panel_buffer, self._panel_view, self._packed = grown, None, whole * width
+    def columns(self) -> ShortlistColumns:
+        """What the next decoder step scores (made once per change of the sentences)."""
+        if self._columns is None:
+            spans = torch.tensor([self.first, self.count], dtype=torch.long).T.contiguous().to(self.device)
+            width = max(self.count, default=0)
+            always = self.shortlist.always
+            self._columns = ShortlistColumns(always, self.always_rows, self.panels, self._ids, self._rows, spans, width)
+        return self._columns
 
     @property
     def in_use(self) -> bool:
         """A live session holds it with sentences being decoded (so it cannot be handed on)."""
-        return self.owner() is not None and bool(self.sentences)
+        return self.owner() is not None and bool(self.first)
 
     def claim(self, session: object) -> None:
         """A new session takes it over (a model's sessions come one after another: the
-        always-candidates' rows are gathered once, not by every session on freshly trimmed
-        memory) and empties it (``clear``) as it starts; the session that had it must make its
-        own from then on (``owner``)."""
+        always-candidates' rows are gathered once, not by every session) and empties it
+        (``clear``) as it starts; the session that had it must make its own from then on (``owner``)."""
         self.owner = weakref.ref(session)
 
-    @torch.inference_mode()
+    # Places a session's buffers keep once it ends (64 sentences' worth); a larger batch's are let go.
+    KEPT = 8192
+
     def clear(self) -> None:
-        """Every sentence left (a session that emptied): back to ``always``'s columns, which
-        come first after a remake from no sentences, without gathering their rows again."""
-        if self._clean:  # nothing joined since the last clear (a session's end, then the next one's start)
+        """Every sentence left (a session that emptied)."""
+        self.first, self.count, self.end, self._columns = [], [], 0, None
+        if self._ids.numel() > self.KEPT:
+            self._ids, self._rows = self._ids[: self.KEPT].clone(), self._rows[: self.KEPT].clone()
+
+    @torch.inference_mode()
+    def join(self, candidates: list[torch.Tensor]) -> None:
+        """Sentences join, behind the others: each one's candidates (unique ids)."""
+        if not candidates:
             return
-        self.counts.copy_(self._empty)
-        self.sentences = []
-        base = self.shortlist.always.numel()
-        if self.size >= base and torch.equal(self._ids[:base], self.shortlist.always):
-            self.column[self._ids[base : self.size]] = -1
-            self.size = base
-            self._packed = min(self._packed, base)
-            if self._ids.numel() > 2 * base:  # grown by large batches: hold no more than twice ``always``
-                self._ids, self._rows = self._ids[:base].clone(), self._rows[:base].clone()
-                if self._panel_buffer is not None:  # (and the panels that hold them)
-                    width = self._panel_buffer.shape[2]
-                    self._panel_buffer, self._panel_view = self._panel_buffer[: -(-base // width)].clone(), None
-            self._set_bias(self._own([]))
-        else:
-            self._remake()
-        self._clean = True  # (last: a clear that raised half-way is done again next time)
+        lengths = [c.numel() for c in candidates]
+        flat = torch.cat(candidates)
+        own = ~self.is_always[flat]
+        sentence = torch.repeat_interleave(torch.arange(len(candidates)), torch.tensor(lengths)).to(self.device)
+        counts = torch.zeros(len(candidates), dtype=torch.long, device=self.device).index_add_(0, sentence, own.long())
+        ids = flat[own]
+        n = ids.numel()
+        if self.end + n > self._ids.numel():
+            self._make_room(n)
+        self._ids[self.end : self.end + n] = ids
+        self._rows[self.end : self.end + n] = self.matrix[ids]
+        for count in counts.tolist():
+            self.first.append(self.end)
+            self.count.append(count)
+            self.end += count
+        self._columns = None
 
-    def join(self, candidates: list[torch.Tensor], kernels: ModuleType | None = None) -> None:
-        """Sentences join, behind the others: each one's candidates (unique ids). ``kernels``:
-        the fused kernels (``model.fused``), which make their bias rows in one call."""
-        self._clean = False
-        m = self.matrix
-        if kernels is not None and m.is_cpu and m.is_contiguous() and self.dtype == torch.float32 and m.dtype in _WIDE:
-            # one call instead of ~10 tensor operations (~0.15 ms of a lone sentence's admission)
-            self._reserve(self.size + sum(c.numel() for c in candidates))
-            self.size = kernels.join_columns(self.counts, self.column, self._ids, self._rows, self.size, m, candidates)
-        else:
-            added = torch.cat(candidates)
-            self.counts.index_add_(0, added, torch.ones_like(added, dtype=torch.int32))
-            new = added[self.column[added] < 0].unique()  # (few: most candidates have columns already)
-            if new.numel():
-                self._append(new)
-        own = self._own(candidates, kernels)
-        if self._bias.shape[0] == 0:  # the first sentences of a session
-            self._set_bias(own)
-        else:
-            bias = torch.full((len(self.sentences) + len(candidates), self.size), -math.inf, device=self.device)
-            bias[: self._bias.shape[0], : self._bias.shape[1]] = self._bias
-            bias[self._bias.shape[0] :] = own
-            self._set_bias(bias)
-        self.sentences.extend(candidates)
+    def leave(self, kept: list[int]) -> None:
+        """Only the sentences ``kept`` stay, in that order; the others' places are free."""
+        self.first = [self.first[i] for i in kept]
+        self.count = [self.count[i] for i in kept]
+        if not kept:
+            self.end = 0
+        self._columns = None
 
-    def leave(self, gone: list[int], kept: list[int], keep: torch.Tensor, width: int = 1) -> None:
-        """Sentences ``gone`` leave; ``kept`` (keep: the same on the device) stay, in that order,
-        each decoded on ``width`` rows (its hypotheses)."""
-        removed = torch.cat([self.sentences[i] for i in gone])
-        self.counts.index_add_(0, removed, torch.full_like(removed, -1, dtype=torch.int32))
-        self.sentences = [self.sentences[i] for i in kept]
-        used = int(self.counts.count_nonzero())
-        if self.size > self.SLACK * used and (self.size - used) * len(kept) * width >= self.remake_work:
-            self._remake()
-        else:
-            self._set_bias(self._bias[keep])
-
-    def _remake(self) -> None:
-        """Columns from the union (sorted), their rows, every sentence's bias row."""
-        ids = (self.counts > 0).nonzero()[:, 0]
-        self.column = torch.full_like(self.counts, -1, dtype=torch.long)  # each id's column (-1: none)
-        self._ids = torch.empty(0, dtype=torch.long, device=self.device)
-        self._rows = torch.empty(0, self.matrix.shape[1], dtype=self.dtype, device=self.device)
-        self.size = self._packed = 0
-        self._append(ids)
-        self._set_bias(self._own(self.sentences))
-        self.remade += 1
-
-    def _append(self, ids: torch.Tensor) -> None:
-        """New columns at the end, their rows gathered."""
-        size = self.size + ids.numel()
-        self._reserve(size)
-        self._ids[self.size : size] = ids
-        self._rows[self.size : size] = self.matrix[ids]
-        self.column[ids] = torch.arange(self.size, size, device=self.device)
-        self.size = size
-
-    def _reserve(self, size: int) -> None:
-        """Room for ``size`` columns (at most the vocabulary's) in the buffers: they grow by doubling."""
-        size = min(size, self.shortlist.vocab_size)
-        if size > self._ids.numel():
-            capacity = min(max(size, 2 * self._ids.numel()), self.shortlist.vocab_size)
-            grown_ids = torch.empty(capacity, dtype=torch.long, device=self.device)
-            grown_rows = torch.empty(capacity, self.matrix.shape[1], dtype=self.dtype, device=self.device)
-            grown_ids[: self.size], grown_rows[: self.size] = self._ids[: self.size], self._rows[: self.size]
-            self._ids, self._rows = grown_ids, grown_rows
-
-    def _own(self, candidates: list[torch.Tensor], kernels: ModuleType | None = None) -> torch.Tensor:
-        """(B, C) float: each sentence's bias row over the current columns."""
-        if kernels is not None and self.device.type == "cpu":
-            return kernels.own_bias(self.column, self.shortlist.always, candidates, self.size)
-        allowed = torch.zeros(len(candidates), self.size, dtype=torch.bool, device=self.device)
-        allowed[:, self.column[self.shortlist.always]] = True
-        if candidates:
-            lengths = torch.tensor([c.numel() for c in candidates], device=self.device)
-            sentence = torch.repeat_interleave(torch.arange(len(candidates), device=self.device), lengths)
-            allowed[sentence, self.column[torch.cat(candidates)]] = True
-        return torch.zeros(allowed.shape, device=self.device).masked_fill_(~allowed, -math.inf)
+    def _make_room(self, n: int) -> None:
+        """Room for ``n`` more places after ``end``: the active sentences' rows moved to the front
+        (in batch order), into buffers twice what they and the ``n`` need when these are too small."""
+        live = sum(self.count)
+        capacity = self._ids.numel()
+        if live + n > capacity // 2:
+            capacity = max(2 * (live + n), 1024)
+        index = torch.cat([torch.arange(f, f + c) for f, c in zip(self.first, self.count, strict=True)] or
+                          [torch.empty(0, dtype=torch.long)]).to(self.device)  # fmt: skip
+        ids, rows = self._ids[index], self._rows[index]
+        if capacity != self._ids.numel():
+            self._ids = torch.empty(capacity, dtype=torch.long, device=self.device)
+            self._rows = torch.empty(capacity, self.matrix.shape[1], dtype=self.rows_dtype, device=self.device)
+        self._ids[:live], self._rows[:live] = ids, rows
+        self.first = list(itertools.accumulate([0, *self.count[:-1]])) if self.count else []
+        self.end = live
+        self.compacted += 1
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -49,6 +49,7 @@ from model.kernels import BoundLinear, LinearKernel, PackedPanels, bind, reads_f
 from model.kernels import aten as kernel_aten
 from model.linear import Linear, linear, uses_kernels
 from model.masks import padding_mask
+from model.shortlist import ShortlistColumns
 from model.transformer import DecoderLayer, EncoderLayer, Transformer
 
 
@@ -354,23 +355,23 @@ class DecoderStep:
         memory_mask: torch.Tensor,
         positions: torch.Tensor | None = None,
         self_mask: torch.Tensor | None = None,
-        output: torch.Tensor | None = None,
-        output_panels: Callable[[ModuleType], torch.Tensor] | None = None,
+        output: ShortlistColumns | None = None,
         rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One incremental step. tokens: (R,) the last emitted ids, R = B * W (W hypotheses
-        per sentence); memory_mask (B, 1, 1, S) -> logits (R, V), or (R, C) over the rows
-        ``output`` (C, D) of the output matrix when given (a shortlist's, ``model.shortlist``;
-        ``output_panels``: the same rows packed for the fused kernels, ``Vocabulary.panels``).
+        per sentence); memory_mask (B, 1, 1, S) -> logits (R, V); or with a shortlist's columns
+        (``output``, ``model.shortlist``) the logits (R, N) over the N every sentence shares and
+        (R, E) each row's over its sentence's own, -inf past its count (apart: the beams' advance
+        reads both, and joining them would copy every row's logits once more).
 
         By default every row is at position ``cache.length`` and sees every cached key. Rows
         that joined a running batch later pass their own ``positions`` (R,) and a ``self_mask``
         (R, 1, 1, cache.length + 1) that hides the keys from before they joined.
 
         ``rows`` (R',) int64, fused kernels only (``fused``): compute only these of the cache's
-        B * W rows; tokens, positions and self_mask are then theirs (R' of each), and so are the
-        logits. The other rows' keys and values at this position are left unwritten: for rows
-        that nothing reads from there on (``DecodeSession``'s joiners' copies)."""
+        B * W rows, in order; tokens, positions and self_mask are then theirs (R' of each), and so
+        are the logits. The other rows' keys and values at this position are left unwritten: for
+        rows that nothing reads from there on (``DecodeSession``'s joiners' copies)."""
         if rows is not None and self.fused is None:
             raise ValueError("computing some of the rows needs the fused kernels")
         length = cache.length
@@ -380,9 +381,11 @@ class DecoderStep:
             where = self.positions[length]  # (D,)
         else:
             where = self.positions[positions]  # (R, D)
+        # each computed row's sentence (the cache's rows are W a sentence)
+        sentences = None if rows is None else rows.div(cache.batch_size // cache.sentences, rounding_mode="floor")
         if self.fused is not None:
             x = self.fused.embed(tokens, self.tokens, where, self.embed_scale)  # (R, D)
-            x = self._fused_layers(x, cache, memory_mask, self_mask, rows)
+            x = self._fused_layers(x, cache, memory_mask, self_mask, rows, sentences)
         else:
             embedded = F.embedding(tokens, self.tokens)
             if embedded.dtype != where.dtype:  # a float16 lookup table (checkpoint.release_output_projection)
@@ -393,7 +396,29 @@ class DecoderStep:
             x = self.final_norm(x)
         if output is None:
             return self.output(x, False)
-        return self.few_rows.product(x, output, output_panels)
+        return self._shortlist_logits(x, output, sentences)
+
+    def _shortlist_logits(
+        self, x: torch.Tensor, columns: ShortlistColumns, sentences: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (R, D) -> logits over a shortlist's columns: (R, N) the shared ones for every row (one
+        product), and (R, E) each row's sentence's own (``span_logits`` on the fused kernels, a
+        batched product over the sentences padded to the widest otherwise)."""
+        shared = self.few_rows.product(x, columns.always_rows, columns.panels)  # (R, N)
+        if columns.width == 0:
+            return shared, shared.new_empty(x.shape[0], 0)
+        readable = columns.extra_rows.dtype in (torch.float32, torch.float16)
+        fused_rows = readable and x.dtype == torch.float32 and x.is_contiguous()
+        if self.fused is not None and fused_rows:
+            every = _EVERY_ROW if sentences is None else sentences
+            own = self.fused.span_logits(x, every, columns.extra_rows, columns.spans, columns.width)
+        else:  # (every row: only the fused kernels compute some)
+            index, valid = columns.padded()  # (A, E)
+            weights = columns.extra_rows[index]  # (A, E, D)
+            a = weights.shape[0]
+            own = torch.bmm(x.view(a, -1, x.shape[1]), weights.transpose(1, 2).to(x.dtype))  # (A, W, E)
+            own = own.masked_fill_(~valid[:, None, :], -math.inf).view(x.shape[0], -1)
+        return shared, own.to(shared.dtype)
 
     def _layers(
         self, x: torch.Tensor, cache: KVCache, memory_mask: torch.Tensor, self_mask: torch.Tensor | None
@@ -433,14 +458,15 @@ class DecoderStep:
         memory_mask: torch.Tensor,
         self_mask: torch.Tensor | None,
         computed: torch.Tensor | None = None,
+        sentences: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x (R, D) through every layer, each attention sub-layer and post-LN residual join one
-        call of the fused kernels (``model.fused``) -> (R, D); ``computed``: ``__call__``'s ``rows``."""
+        call of the fused kernels (``model.fused``) -> (R, D); ``computed``: ``__call__``'s ``rows``,
+        ``sentences`` each one's sentence."""
         fused, scale, post = self.fused, self.scale_value, not self.norm_first
         assert fused is not None
-        cache_rows, sentences = _EVERY_ROW, _EVERY_ROW
-        if computed is not None:  # each computed row's sentence too (the cache's rows are W a sentence)
-            cache_rows, sentences = computed, computed.div(cache.batch_size // cache.sentences, rounding_mode="floor")
+        cache_rows = _EVERY_ROW if computed is None else computed
+        sentences = _EVERY_ROW if sentences is None else sentences
         visible = _ALL_VISIBLE if self_mask is None else self_mask.reshape(x.shape[0], -1)
         rows = self._memory_rows
         if rows is None or rows[0] is not memory_mask:

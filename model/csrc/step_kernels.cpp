@@ -638,89 +638,6 @@ std::vector<torch::Tensor> split_kv(const torch::Tensor& kv, int64_t sentences, 
   return {k, v};
 }
 
-// A shortlist's bias rows (``Vocabulary``): for each sentence, 0 at the columns of the
-// always-candidates and of its own candidates, -inf elsewhere. column (V) int64: each token's
-// column (-1: none); always, candidates[i]: int64 token ids, each with a column. -> (B, size).
-torch::Tensor own_bias(const torch::Tensor& column, const torch::Tensor& always,
-                       const std::vector<torch::Tensor>& candidates, int64_t size) {
-  auto is_ids = [](const torch::Tensor& t) { return is_vector(t, torch::kInt64); };
-  TORCH_CHECK(is_ids(column) && is_ids(always), "column and always must be contiguous int64 CPU vectors");
-  const int64_t b = static_cast<int64_t>(candidates.size()), vocab = column.numel();
-  auto out = torch::full({b, size}, -INFINITY, torch::dtype(torch::kFloat32));
-  const int64_t* col = column.data_ptr<int64_t>();
-  float* o = out.data_ptr<float>();
-  auto allow = [&](float* row, const torch::Tensor& ids) {
-    TORCH_CHECK(is_ids(ids), "candidates must be contiguous int64 CPU vectors");
-    const int64_t* id = ids.data_ptr<int64_t>();
-    for (int64_t j = 0; j < ids.numel(); j++) {
-      TORCH_CHECK(id[j] >= 0 && id[j] < vocab && col[id[j]] >= 0 && col[id[j]] < size, "token ", id[j],
-                  " has no column");
-      row[col[id[j]]] = 0.f;
-    }
-  };
-  for (int64_t i = 0; i < b; i++) {
-    allow(o + i * size, always);
-    allow(o + i * size, candidates[i]);
-  }
-  return out;
-}
-
-// Sentences join a shortlist's columns (model/shortlist.py, Vocabulary.join): each candidate's
-// count goes up; the ids that had no column get one, appended in ascending order after the
-// `size` columns in use, with their rows of the output matrix. counts (V) int32, column (V)
-// int64 (-1: none); ids (C) int64 and rows (C, D) float32 the columns' buffers, room for every
-// new one; matrix (V, D) float32 or float16 (a lookup table kept in float16, widened here);
-// candidates: each sentence's unique ids. -> the columns in use.
-int64_t join_columns(torch::Tensor counts, torch::Tensor column, torch::Tensor ids, torch::Tensor rows, int64_t size,
-                     const torch::Tensor& matrix, const std::vector<torch::Tensor>& candidates) {
-  check_rows(rows, "rows");
-  const int64_t vocab = column.numel(), d = rows.size(1);
-  const bool half = matrix.scalar_type() == torch::kHalf;
-  TORCH_CHECK(is_vector(counts, torch::kInt32) && is_vector(column, torch::kInt64) && is_vector(ids, torch::kInt64) &&
-                  matrix.is_cpu() && (half || matrix.scalar_type() == torch::kFloat32) && matrix.dim() == 2 &&
-                  matrix.is_contiguous() && counts.numel() == vocab && matrix.size(0) == vocab &&
-                  matrix.size(1) == d && rows.size(0) == ids.numel() && size >= 0 && size <= ids.numel(),
-              "join_columns: counts, column (V), ids (C), rows (C, D) float32, matrix (V, D) float32 or float16");
-  int32_t* count = counts.data_ptr<int32_t>();
-  int64_t* col = column.data_ptr<int64_t>();
-  // checked and listed before anything changes: a refused join leaves the columns as they were
-  std::vector<int64_t> fresh;
-  std::vector<uint8_t> listed(vocab);
-  for (const auto& sentence : candidates) {
-    TORCH_CHECK(is_vector(sentence, torch::kInt64), "candidates must be contiguous int64 CPU vectors");
-    const int64_t* id = sentence.data_ptr<int64_t>();
-    for (int64_t j = 0; j < sentence.numel(); j++) {
-      TORCH_CHECK(id[j] >= 0 && id[j] < vocab, "token ", id[j], " outside the vocabulary of ", vocab);
-      if (col[id[j]] < 0 && !listed[id[j]]) {
-        listed[id[j]] = 1;
-        fresh.push_back(id[j]);
-      }
-    }
-  }
-  TORCH_CHECK(size + static_cast<int64_t>(fresh.size()) <= ids.numel(), "join_columns: room for ",
-              ids.numel() - size, " new columns, ", fresh.size(), " needed");
-  for (const auto& sentence : candidates) {
-    const int64_t* id = sentence.data_ptr<int64_t>();
-    for (int64_t j = 0; j < sentence.numel(); j++) count[id[j]]++;
-  }
-  std::sort(fresh.begin(), fresh.end());
-  int64_t* ip = ids.data_ptr<int64_t>();
-  float* rp = rows.data_ptr<float>();
-  for (const int64_t id : fresh) {
-    col[id] = size;
-    ip[size] = id;
-    float* row = rp + size * d;
-    if (half) {
-      const at::Half* from = matrix.data_ptr<at::Half>() + id * d;
-      for (int64_t j = 0; j < d; j++) row[j] = static_cast<float>(from[j]);
-    } else {
-      std::memcpy(row, matrix.data_ptr<float>() + id * d, d * sizeof(float));
-    }
-    size++;
-  }
-  return size;
-}
-
 // x = LayerNorm(x + y) in place (the post-LN residual join). x, y (R, D); weight, bias (D). -> x
 torch::Tensor add_norm_(torch::Tensor x, const torch::Tensor& y, const torch::Tensor& weight,
                         const torch::Tensor& bias, double eps) {
@@ -780,8 +697,12 @@ inline float length_penalty(int64_t n, float alpha) {
 
 // One step of beam search's bookkeeping: model.beams.Beams.advance, the same rules.
 // logits (A, W, C) float32 next-token logits of each sentence's first W rows (W = 1 at a batch's
-// first step, else K); bias: (A, 1, C) or (A, C) added to them (a shortlist's columns per
-// sentence) or empty; vocab (C,) int64 the token of each column, or empty; start (A,) int64 the
+// first step, else K), column j token j, or vocab[j] when vocab (C,) int64 is given (not empty).
+// With a shortlist (model.shortlist.Vocabulary) the logits are the N columns every sentence shares
+// (vocab (N,) their tokens), and own (A, W, E) or (R', E) float32 each row's over its sentence's own
+// columns: extra (T,) int64 tokens and spans (A, 2) int64 (first, count), sentence i's own column j
+// is token extra[first + j], for j < count (the rest are none of its candidates); own, extra and
+// spans empty without. start (A,) int64 the
 // step each sentence joined at and `now` the batch's step (a sentence has now - start tokens so
 // far); the beams' state (A, K): scores (raw cumulative log P, float32), lengths
 // (int64), finished and eos (bool), history (A, K, T) int64 (greedy: written in place).
@@ -794,7 +715,8 @@ inline float length_penalty(int64_t n, float alpha) {
 // -> ({scores, tokens, back-pointers (A * K) into the A * W rows (empty for greedy), history,
 // eos, lengths, finished}: the beams' next state, [the sentences all of whose hypotheses are
 // finished now]). Greedy search (K = 1) never sees a finished row.
-std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch::Tensor& logits, const torch::Tensor& bias, const torch::Tensor& vocab,
+std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch::Tensor& logits, const torch::Tensor& own, const torch::Tensor& vocab,
+                                   const torch::Tensor& extra, const torch::Tensor& spans,
                                    const torch::Tensor& start, int64_t now, const torch::Tensor& scores, const torch::Tensor& lengths,
                                    const torch::Tensor& finished, const torch::Tensor& eos, torch::Tensor history,
                                    double alpha, int64_t eos_id, int64_t pad_id, const torch::Tensor& rows) {
@@ -825,12 +747,24 @@ std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch
   TORCH_CHECK(history.scalar_type() == torch::kInt64 && history.dim() == 3 && history.size(0) == a &&
                   history.size(1) == k && history.is_contiguous(),
               "history must be a contiguous int64 (A, K, T) tensor");
-  const bool mapped = vocab.numel() > 0, biased = bias.numel() > 0;
-  TORCH_CHECK(!mapped || (vocab.scalar_type() == torch::kInt64 && vocab.numel() == c && vocab.is_contiguous()),
-              "vocab must be int64 (C,)");
-  TORCH_CHECK(!biased || (bias.scalar_type() == torch::kFloat32 && bias.size(0) == a && bias.size(-1) == c &&
-                          bias.stride(-1) == 1 && bias.numel() == a * c),
-              "bias must be float32 (A, C) or (A, 1, C) with contiguous rows");
+  const bool mapped = vocab.numel() > 0, owned = spans.numel() > 0;
+  const int64_t ec = owned ? own.size(-1) : 0;  // each row's own columns, after the c shared ones
+  TORCH_CHECK(!mapped || (vocab.scalar_type() == torch::kInt64 && vocab.dim() == 1 && vocab.is_contiguous() &&
+                          vocab.numel() == c),
+              "vocab must be a contiguous int64 (C,) vector");
+  TORCH_CHECK(!owned || (mapped && own.scalar_type() == torch::kFloat32 && own.is_contiguous() &&
+                         own.dim() == logits.dim() && own.numel() == (logits.numel() / c) * ec &&
+                         is_vector(extra, torch::kInt64) && spans.scalar_type() == torch::kInt64 &&
+                         spans.dim() == 2 && spans.size(0) == a && spans.size(1) == 2 && spans.is_contiguous()),
+              "own must be float32 logits of the same rows, extra an int64 vector and spans int64 (A, 2), with vocab");
+  const int64_t* span = owned ? spans.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; owned && i < a; i++) {
+    TORCH_CHECK(span[2 * i] >= 0 && span[2 * i + 1] >= 0 && span[2 * i + 1] <= ec &&
+                    span[2 * i] + span[2 * i + 1] <= extra.numel(),
+                "advance: sentence ", i, "'s own columns are not within extra or own's logits");
+  }
+  const int64_t* extra_ids = owned ? extra.data_ptr<int64_t>() : nullptr;
+  const float* own_x = owned ? own.data_ptr<float>() : nullptr;
   const auto sc = scores.contiguous();
   const auto len = lengths.expand({a, k}).contiguous();
   const auto fin = finished.contiguous();
@@ -844,8 +778,6 @@ std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch
     TORCH_CHECK(steps[i] >= 0 && steps[i] < t, "history has no room at step ", steps[i]);
   }
   const float* x = logits.data_ptr<float>();
-  const float* b = biased ? bias.data_ptr<float>() : nullptr;
-  const int64_t b0 = biased ? bias.stride(0) : 0;
   const float* s = sc.data_ptr<float>();
   const int64_t* l = len.data_ptr<int64_t>();
   const bool* f = fin.data_ptr<bool>();
@@ -868,10 +800,10 @@ std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch
   int64_t* oh = out_history.data_ptr<int64_t>();
   const float penalty_alpha = static_cast<float>(alpha);
   parallel_chunks(0, a, std::max<int64_t>(1, kGrainWork / (w * c)), [&](int64_t begin, int64_t end) {
-    std::vector<float> row(c), row_best(w * k), best(k);
+    std::vector<float> row(c + ec), row_best(w * k), best(k);
     std::vector<int64_t> row_index(w * k), index(k);
     for (int64_t i = begin; i < end; i++) {
-      const float* bi = biased ? b + i * b0 : nullptr;
+      const int64_t candidates = owned ? c + span[2 * i + 1] : c;  // the shared columns, then its own
       const float scale = length_penalty(steps[i] + 1, penalty_alpha);
       for (int64_t r = 0; r < w; r++) {
         float* rb = &row_best[r * k];
@@ -888,14 +820,11 @@ std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch
           continue;
         }
         const float* xr = x + from_row * c;  // log-softmax, then the row's k best columns
-        if (bi != nullptr) {
-          for (int64_t j = 0; j < c; j++) row[j] = xr[j] + bi[j];
-        } else {
-          std::copy(xr, xr + c, row.data());
-        }
-        const float top = maximum(row.data(), c);
-        top_k(c, k, [&row](int64_t j) { return row[j]; }, rb, &row_index[r * k]);
-        const float log_sum = std::log(exp_shifted(row.data(), c, top));
+        std::copy(xr, xr + c, row.data());
+        if (owned) std::copy(own_x + from_row * ec, own_x + from_row * ec + (candidates - c), row.data() + c);
+        const float top = maximum(row.data(), candidates);
+        top_k(candidates, k, [&row](int64_t j) { return row[j]; }, rb, &row_index[r * k]);
+        const float log_sum = std::log(exp_shifted(row.data(), candidates, top));
         for (int64_t j = 0; j < k; j++) rb[j] = (rb[j] - top) - log_sum + s[i * k + r];
       }
       top_k(w * k, k, [&](int64_t j) { return row_best[j]; }, best.data(), index.data());
@@ -903,7 +832,10 @@ std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch
         const int64_t beam = index[j] / k, from = i * k + beam, to = i * k + j;
         const bool was_finished = f[from];
         const int64_t column = row_index[index[j]];
-        const int64_t token = was_finished ? pad_id : (mapped ? ids[column] : column);
+        const int64_t token = was_finished ? pad_id
+                              : column >= c  ? extra_ids[span[2 * i] + column - c]
+                              : mapped       ? ids[column]
+                                             : column;
         os[to] = was_finished ? s[from] : best[j];
         ol[to] = was_finished ? l[from] : steps[i] + 1;
         ot[to] = token;
@@ -1031,6 +963,89 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch
   for (int64_t j = blocks * kBlockN; j < n; j++) {  // the last weight rows, fewer than a block
     for (int64_t r = 0; r < rows; r++) p.out[r * n + j] = finish(p, j, dot(p.x + r * k, p.w + j * k, k));
   }
+  return out;
+}
+
+// rows [r, r + Rows) of a sentence by its `count` own weight rows (p.w), ``linear``'s tiles, then
+// the last count % kTileN<1> (the widest tile) by ``dot``: an output depends on its row, its weight
+// row and `count` alone, not on how many of the sentence's rows are computed with it nor on the
+// batch around the sentence (a tile sums each output in the same order whatever its shape).
+template <int Rows>
+void span_rows(const Product& p, int64_t r, int64_t count) {
+  constexpr int64_t tn = kTileN<Rows>;
+  static_assert(kTileN<1> % tn == 0, "every tile width divides the widest");
+  const int64_t whole = count - count % kTileN<1>;
+  for (int64_t j = 0; j < whole; j += tn) tile<Rows>(p, r, j);
+  for (int64_t i = r; i < r + Rows; i++) {
+    for (int64_t j = whole; j < count; j++) p.out[i * p.n + j] = dot(p.x + i * p.k, p.w + j * p.k, p.k);
+  }
+}
+
+// Each row's logits over its own sentence's shortlist columns, those beyond the ones every sentence
+// shares (model.shortlist.Vocabulary). x (R, D) the rows' last hidden states, D a multiple of 16;
+// sentences (R,) int64 each row's sentence, never decreasing (an empty tensor: row r's is r / W,
+// W = R / A); rows (T, D) float32, or float16 (an output matrix shipped in float16, exact: widened
+// here a sentence at a time, half the bytes read), the output matrix's rows of every sentence's own
+// columns laid end to end, spans (A, 2) int64 (first, count): sentence i's are rows [first, first +
+// count); width E at least every count. -> (R, E): row r's column j is x[r] . rows[first + j] for
+// j < its sentence's count, -inf after (no candidate). The rows stream from L3 (every sentence's
+// own, ~130 KB of float32 each): this is bound by the bytes it reads.
+torch::Tensor span_logits(const torch::Tensor& x, const torch::Tensor& sentences, const torch::Tensor& rows,
+                          const torch::Tensor& spans, int64_t width) {
+  check_rows(x, "x");
+  const bool half = rows.scalar_type() == torch::kHalf;
+  TORCH_CHECK(rows.is_cpu() && (half || rows.scalar_type() == torch::kFloat32) && rows.dim() == 2 &&
+                  rows.is_contiguous(),
+              "rows must be a contiguous float32 or float16 (T, D) CPU matrix");
+  const int64_t r = x.size(0), d = x.size(1), t = rows.size(0);
+  TORCH_CHECK(rows.size(1) == d && d % 16 == 0, "span_logits: x (R, D) and rows (T, D) need one D, a multiple of 16");
+  TORCH_CHECK(spans.is_cpu() && spans.scalar_type() == torch::kInt64 && spans.dim() == 2 && spans.size(1) == 2 &&
+                  spans.is_contiguous(),
+              "spans must be a contiguous int64 (A, 2) CPU tensor");
+  const int64_t a = spans.size(0);
+  const int64_t* span = spans.data_ptr<int64_t>();
+  for (int64_t i = 0; i < a; i++) {
+    TORCH_CHECK(span[2 * i] >= 0 && span[2 * i + 1] >= 0 && span[2 * i + 1] <= width &&
+                    span[2 * i] + span[2 * i + 1] <= t,
+                "span_logits: sentence ", i, "'s columns (", span[2 * i], ", ", span[2 * i + 1],
+                ") are not within the rows or the width");
+  }
+  const int64_t* sentence_of = index_data(sentences, r, a, "sentences", false);
+  TORCH_CHECK(sentence_of != nullptr || (a > 0 ? r % a == 0 : r == 0), "span_logits: ", r, " rows for ", a,
+              " sentences");
+  const int64_t w = a > 0 ? r / a : 0;
+  std::vector<int64_t> runs(a + 1, r);  // sentence i's rows are [runs[i], runs[i + 1]): rows come in sentence order
+  int64_t row = 0;
+  for (int64_t i = 0; i < a; i++) {
+    runs[i] = row;
+    if (sentence_of == nullptr) {
+      row += w;
+    } else {
+      while (row < r && sentence_of[row] == i) row++;
+    }
+  }
+  TORCH_CHECK(row == r, "span_logits: each row's sentence must be in order (never decreasing)");
+  auto out = torch::empty({r, width}, x.options());
+  float* op = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(1, std::max<int64_t>(1, w) * width * d));
+  parallel_chunks(0, a, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> wide(half ? width * d : 0);  // a sentence's rows widened from float16
+    for (int64_t i = begin; i < end; i++) {
+      const int64_t first = span[2 * i], count = span[2 * i + 1];
+      const float* w = half ? wide.data() : rows.data_ptr<float>() + first * d;
+      if (half) widen(rows.data_ptr<at::Half>() + first * d, wide.data(), count * d);
+      const Product p{x.data_ptr<float>(), w, nullptr, op, d, width, false};
+      int64_t j = runs[i];
+      for (; j + 4 <= runs[i + 1]; j += 4) span_rows<4>(p, j, count);
+      switch (runs[i + 1] - j) {
+        case 3: span_rows<3>(p, j, count); break;
+        case 2: span_rows<2>(p, j, count); break;
+        case 1: span_rows<1>(p, j, count); break;
+        default: break;
+      }
+      for (j = runs[i]; j < runs[i + 1]; j++) std::fill(op + j * width + count, op + (j + 1) * width, -INFINITY);
+    }
+  });
   return out;
 }
 
@@ -1252,8 +1267,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("candidates", &candidates, "each sentence's own shortlist candidates");
   m.def("gather_rows_", &gather_rows_, "the KV cache's reorder: rows gathered, joiners zeroed, keys then values");
   m.def("split_kv", &split_kv, "joining sentences' cross-attention K and V, heads apart (float16 with half)");
-  m.def("join_columns", &join_columns, "sentences join a shortlist's columns: counts, new columns and their rows");
-  m.def("own_bias", &own_bias, "a shortlist's bias rows: 0 at each sentence's own columns, -inf elsewhere");
+  m.def("span_logits", &span_logits, unlocked, "each row's logits over its own sentence's shortlist columns");
   m.def("linear", &linear, "a linear layer for a few rows: x w^T + bias, optionally ReLU'd");
   m.def("panel_width", &panel_width, "weight rows a panel of pack_panels holds");
   m.def("pack_panels", &pack_panels, "a weight (N, K) as panel_linear reads it");

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from model import checkpoint, fused, kernels
+from model.beams import Beams
 from model.data import pad
 from model.decoding import DecodeSession, DecodingOptions, Hypothesis, decode_stream
-from model.shortlist import Vocabulary
+from model.shortlist import ShortlistColumns
 from model.step import DecoderStep, EncoderPass, bound_passes
 from model.transformer import Transformer
 from model.translator import Translator
@@ -409,35 +410,86 @@ def test_the_attention_kernels_compute_some_rows_as_they_compute_all(variant: st
 @pytest.mark.parametrize("variant", RUNNABLE)
 def test_the_beams_advance_over_some_rows_as_over_all(variant: str) -> None:
     """The beams' advance given only the rows a step computed (a joining sentence's first row; its
-    copies at -inf marked -1) chooses exactly what it chooses given every row's logits; a row with
-    a score and no logits is refused."""
+    copies at -inf marked -1) chooses exactly what it chooses given every row's logits, shared
+    columns and each sentence's own alike; a row with a score and no logits is refused."""
     kernels_module = fused.load(built(variant))
     assert kernels_module is not None
     torch.manual_seed(5)
-    a, k, c, t, now = 3, 4, 50, 6, 2
+    a, k, c, e, t, now = 3, 4, 50, 6, 6, 2
     inf = float("inf")
     scores = torch.tensor([[-1.0, -2.0, -3.0, -4.0], [0.0, -inf, -inf, -inf], [-0.5, -1.5, -2.5, -6.0]])
     lengths = torch.tensor([[2] * k, [0] * k, [2] * k])
     finished, eos = torch.zeros(a, k, dtype=torch.bool), torch.zeros(a, k, dtype=torch.bool)
     start = torch.tensor([0, now, 0])  # sentence 1 joined since the last step
-    logits = torch.randn(a, k, c)
-    logits[1, 1:] = logits[1, 0]  # its copies compute what its first row does
-    bias = torch.where(torch.rand(a, 1, c) > 0.3, 0.0, -inf)
-    bias[..., :k] = 0.0
+    logits, own = torch.randn(a, k, c), torch.randn(a, k, e) + 2  # (its own columns rank high)
+    logits[1, 1:], own[1, 1:] = logits[1, 0], own[1, 0]  # its copies compute what its first row does
+    vocab, extra, spans = torch.arange(100, 150), torch.arange(200, 220), torch.tensor([[0, 6], [6, 0], [10, 3]])
 
-    def advance(scored: torch.Tensor, rows: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
+    def advance(scored: torch.Tensor, mine: torch.Tensor, rows: torch.Tensor) -> tuple[list[torch.Tensor], list[int]]:
         history = torch.zeros(a, k, t, dtype=torch.long)
         state = (scores, lengths, finished, eos, history)
-        return kernels_module.advance(scored, bias, EVERY, start, now, *state, 0.6, 3, 0, rows)  # type: ignore[no-any-return]
+        return kernels_module.advance(scored, mine, vocab, extra, spans, start, now, *state, 0.6, 3, 0, rows)  # type: ignore[no-any-return]
 
     computed = [0, 1, 2, 3, 4, 8, 9, 10, 11]
     rows = torch.tensor([0, 1, 2, 3, 4, -1, -1, -1, 5, 6, 7, 8])
-    every, some = advance(logits, EVERY), advance(logits.view(a * k, c)[computed], rows)
+    every = advance(logits, own, EVERY)
+    some = advance(logits.view(a * k, c)[computed], own.view(a * k, e)[computed], rows)
     assert every[1] == some[1] and all(torch.equal(x, y) for x, y in zip(every[0], some[0], strict=True))
+    shared = set(range(100, 150))  # each sentence's tokens: the shared ones and its own (sentence 1 has none)
+    for tokens, mine in zip(every[0][1].tolist(), (range(200, 206), range(0), range(210, 213)), strict=True):
+        assert set(tokens) <= shared | set(mine)
+    assert set(every[0][1][0].tolist()) & set(range(200, 206))  # (its own rank high: chosen)
     alive = rows.clone()
     alive[1] = -1  # sentence 0's second row has a score
     with pytest.raises(RuntimeError, match="has a score but no logits"):
-        advance(logits.view(a * k, c)[computed], alive)
+        advance(logits.view(a * k, c)[computed], own.view(a * k, e)[computed], alive)
+    with pytest.raises(RuntimeError, match="own columns are not within"):
+        history = torch.zeros(a, k, t, dtype=torch.long)
+        wide = torch.tensor([[0, 7], [0, 0], [0, 0]])  # 7 own columns of 6
+        kernels_module.advance(logits, own, vocab, extra, wide, start, now, scores, lengths, finished, eos, history,
+                               0.6, 3, 0, EVERY)  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", RUNNABLE)
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_the_beams_advance_over_own_columns_as_the_tensor_operations_do(variant: str, beam_size: int) -> None:
+    """``Beams.advance`` over a shortlist's shared and own columns on the kernels and on the tensor
+    operations: the same tokens, back-pointers and scores, step after step (EOS among them at beam
+    3); a sentence's column past its own count is never chosen, however high its logit."""
+    kernels_module = fused.load(built(variant))
+    assert kernels_module is not None
+    torch.manual_seed(beam_size)
+    a, n, width, steps = 4, 9, 5, 4
+    extra_ids = torch.arange(30, 30 + 3 * width)
+    spans = torch.tensor([[0, 5], [5, 2], [7, 0], [10, 4]])
+    columns = ShortlistColumns(torch.arange(n), torch.empty(0), lambda _: torch.empty(0), extra_ids, torch.empty(0),
+                               spans, width)  # fmt: skip
+    beams = {
+        name: Beams(beam_size, 0, torch.device("cpu"), module)
+        for name, module in (("fused", kernels_module), ("torch", None))
+    }
+    for b in beams.values():
+        b.extend(a, steps)
+    start = torch.zeros(a, dtype=torch.long)
+    for step in range(steps):
+        w = 1 if step == 0 else beam_size
+        logits, own = torch.randn(a, w, n), torch.randn(a, w, width) * 3
+        own[:, :, 4] = 50.0  # a column past every count but the last sentence's: chosen only there
+        if beam_size > 1:
+            logits[0, :, 3] += 2 * step  # EOS (3) for sentence 0 as the steps go
+        else:  # (a greedy sentence leaves the step it ends: its advance never sees a finished row)
+            logits[:, :, 3] = -1e9
+        got = {}
+        for name, b in beams.items():
+            back, tok = b.advance(logits.clone(), start, step, 0.6, 3, columns, own.clone())
+            got[name] = (back, tok, b.scores.clone(), b.finished.clone())
+        fused_back, fused_tok, fused_scores, fused_finished = got["fused"]
+        back, tok, scores, finished = got["torch"]
+        assert torch.equal(fused_tok, tok) and torch.equal(fused_finished, finished)
+        assert (fused_back is None) == (back is None) and (back is None or torch.equal(fused_back, back))
+        torch.testing.assert_close(fused_scores, scores)
+        allowed = [set(range(n)) | set(extra_ids[f : f + c].tolist()) | {0} for f, c in spans.tolist()]
+        assert all(set(row) <= own for row, own in zip(tok.tolist(), allowed, strict=True))
 
 
 @pytest.mark.parametrize("variant", RUNNABLE)
@@ -477,9 +529,8 @@ def test_attention_over_a_float16_cache_is_attention_over_its_float32_values(var
         kernels_module.gather_rows_(k16, v16, rows, into_k.float(), into_v.float(), torch.empty(0, dtype=torch.long))
 
 
-def test_joining_sentences_memory_and_bias_rows_are_the_tensor_operations_ones(shipped: Path) -> None:
-    """``split_kv`` (joiners' cross-attention K/V, heads apart) and ``own_bias`` (a shortlist's
-    bias rows) give what the tensor operations give."""
+def test_joining_sentences_memory_is_the_tensor_operations_one() -> None:
+    """``split_kv`` (joiners' cross-attention K/V, heads apart) gives what the tensor operations give."""
     kernels_module = fused.load(built(RUNNABLE[-1]))
     assert kernels_module is not None
     kv = torch.randn(3 * 5, 2 * 4 * 8)  # 3 sentences of 5 positions, 4 heads of 8
@@ -488,17 +539,41 @@ def test_joining_sentences_memory_and_bias_rows_are_the_tensor_operations_ones(s
     assert k.is_contiguous() and torch.equal(k, both[0]) and torch.equal(v, both[1])
     k16, v16 = kernels_module.split_kv(kv, 3, 4, True)  # the float16 cache's: torch's rounding
     assert k16.dtype == torch.float16 and torch.equal(k16, both[0].half()) and torch.equal(v16, both[1].half())
-    ck = checkpoint.load(shipped, "cpu", "float32")
-    translator = Translator(ck.model, ck.tokenizer, (), checkpoint.use_shortlist(ck))
-    assert translator.shortlist is not None
-    src = pad(translator.encode(["Ein Hund läuft.", "Zwei Frauen sitzen auf einer Bank."]), 0)
-    candidates = translator.shortlist.candidates_of(src, src != 0)
-    with torch.inference_mode():
-        vocab = Vocabulary(translator.shortlist, ck.model.output_matrix(), torch.float32)
-        vocab.join(candidates)
-        assert torch.equal(vocab._own(candidates, kernels_module), vocab._own(candidates))
-    with pytest.raises(RuntimeError, match="no column"):
-        kernels_module.own_bias(vocab.column, vocab.shortlist.always, [torch.tensor([-1])], vocab.size)
+
+
+@pytest.mark.parametrize("variant", RUNNABLE)
+def test_each_rows_own_logits_are_its_products_with_its_sentences_rows(variant: str) -> None:
+    """``span_logits``: row r's logits over its sentence's own rows (spans of a buffer laid end to
+    end), -inf past their count; the same bits alone as beside other sentences, for some rows (a
+    row map) as for all, and from float16 rows as from their float32 values; malformed spans and
+    rows out of sentence order are refused."""
+    kernels_module = fused.load(built(variant))
+    assert kernels_module is not None
+    torch.manual_seed(2)
+    rows, x = torch.randn(60, 32), torch.randn(12, 32)  # 3 sentences of 4 rows
+    spans, width = torch.tensor([[0, 5], [10, 0], [20, 17]]), 20
+    got = kernels_module.span_logits(x, EVERY, rows, spans, width)
+    assert got.shape == (12, width)
+    for i, (first, count) in enumerate(spans.tolist()):
+        mine = got[4 * i : 4 * i + 4]
+        torch.testing.assert_close(
+            mine[:, :count], x[4 * i : 4 * i + 4] @ rows[first : first + count].t(), atol=2e-5, rtol=1e-5
+        )
+        assert bool((mine[:, count:] == -float("inf")).all())
+    alone = kernels_module.span_logits(x[8:], EVERY, rows, spans[2:], 17)
+    assert torch.equal(alone, got[8:, :17])
+    some = [0, 1, 4, 8, 9, 10]  # a row map: sentence 0's first two rows, 1's first, 2's first three
+    mapped = kernels_module.span_logits(x[some], torch.tensor([0, 0, 1, 2, 2, 2]), rows, spans, width)
+    assert torch.equal(mapped, got[some])
+    half = rows.half()
+    assert torch.equal(kernels_module.span_logits(x, EVERY, half, spans, width),
+                       kernels_module.span_logits(x, EVERY, half.float(), spans, width))  # fmt: skip
+    with pytest.raises(RuntimeError, match="not within the rows or the width"):
+        kernels_module.span_logits(x, EVERY, rows, torch.tensor([[0, 5], [10, 0], [50, 17]]), width)
+    with pytest.raises(RuntimeError, match="not within the rows or the width"):
+        kernels_module.span_logits(x, EVERY, rows, spans, 16)
+    with pytest.raises(RuntimeError, match="never decreasing"):
+        kernels_module.span_logits(x[:3], torch.tensor([1, 0, 2]), rows, spans, width)
 
 
 @pytest.mark.parametrize("precision", ["float32", "int8"])

@@ -1,10 +1,10 @@
-"""The lexical shortlist (model/shortlist.py): how it is built, how a session keeps the union of
-its sentences' candidates, and that decoding through it maps columns back to the right tokens."""
+"""The lexical shortlist (model/shortlist.py): how it is built, how a session keeps its sentences'
+own candidates beside the shared ones, and that decoding through it maps columns back to the right
+tokens."""
 
 from __future__ import annotations
 
 import json
-import math
 import random
 from pathlib import Path
 
@@ -14,7 +14,7 @@ import torch
 from model import checkpoint, fused, kernels
 from model.data import pad, read_lines
 from model.decoding import DecodeSession, DecodingOptions, decode
-from model.shortlist import Shortlist, Vocabulary, build
+from model.shortlist import Shortlist, ShortlistColumns, Vocabulary, build
 from model.transformer import Transformer
 from model.translator import Translator
 from tests.conftest import require
@@ -52,155 +52,71 @@ def test_candidates_are_the_pieces_and_their_associations() -> None:
     assert each == [[3, 4, 5, 7, 8, 9], [3, 9], [3, 4, 6, 7, 8]]  # padding adds no candidates
 
 
-def test_the_columns_grow_as_sentences_join_and_are_made_again_only_past_the_slack() -> None:
+def own_ids(columns: ShortlistColumns) -> list[list[int]]:
+    """Each sentence's own columns' ids, in batch order."""
+    return [columns.extra_ids[first : first + count].tolist() for first, count in columns.spans.tolist()]
+
+
+def test_each_sentence_scores_always_and_its_own_candidates_beyond_them() -> None:
+    """``Vocabulary``: the ``always`` columns every sentence shares, their rows gathered once, and
+    each sentence's own candidates beyond them (none of ``always`` twice), their rows gathered as
+    it joins; sentences leave and reorder without their rows moving, the buffers grow and are
+    compacted keeping every sentence's own, and a clear lets a large batch's buffers go."""
     table = Shortlist.from_table(torch.zeros(100, 1, dtype=torch.long), torch.tensor([0, 1, 2, 3]))
     matrix = torch.arange(100.0)[:, None].expand(100, 2)  # row i is (i, i)
-    vocab = Vocabulary(table, matrix, torch.float32, remake_work=0)  # (the columns' rule alone)
-    assert vocab.ids.tolist() == [0, 1, 2, 3] and vocab.bias.shape == (0, 1, 4)
-    big, small = torch.arange(10, 30), torch.tensor([40])
-    vocab.join([big, small])
-    assert vocab.ids.tolist() == [0, 1, 2, 3, *range(10, 30), 40]
-    assert torch.equal(vocab.rows[:, 0], vocab.ids.float())  # each column's own row
-    inf = float("-inf")
-    assert vocab.bias[0, 0].tolist() == [0.0] * 24 + [inf] and vocab.bias[1, 0].tolist() == [0.0] * 4 + [inf] * 20 + [
-        0.0
-    ]
-    vocab.join([torch.tensor([12, 50])])  # one new column, appended: the others' bias -inf there
-    assert vocab.ids.tolist()[-1] == 50 and vocab.bias[:2, 0, -1].tolist() == [inf, inf]
-    assert (vocab.bias[2, 0] == 0).sum() == 6 and vocab.remade == 1
-    vocab.leave([1], [0, 2], torch.tensor([0, 2]))  # small leaves: 25 of 26 columns still used
-    assert vocab.ids.numel() == 26 and vocab.remade == 1 and vocab.bias.shape == (2, 1, 26)
-    assert vocab.bias[1, 0, -1] == 0  # the third sentence's row moved up with it
-    vocab.leave([0], [1], torch.tensor([1]))  # big leaves: 6 columns used of 26, made again
-    assert vocab.ids.tolist() == [0, 1, 2, 3, 12, 50] and vocab.remade == 2
-    assert vocab.bias.tolist() == [[[0.0] * 6]]
-    vocab.join([torch.tensor([70, 71])])
-    vocab.clear()  # ``always`` come first: cut back to them, nothing gathered
-    assert vocab.ids.tolist() == [0, 1, 2, 3] and vocab.remade == 2 and int(vocab.column[70]) == -1
-    assert vocab.bias.shape == (0, 1, 4)
-    vocab.join([torch.tensor([71])])
-    assert vocab.ids.tolist() == [0, 1, 2, 3, 71] and torch.equal(vocab.rows[:, 0], vocab.ids.float())
-    vocab.join([torch.arange(20, 90)])  # the buffers grow past twice ``always``...
-    vocab.clear()  # ...and are cut back to it
-    assert vocab._ids.numel() == 4 and vocab._rows.shape == (4, 2) and vocab.ids.tolist() == [0, 1, 2, 3]
-    vocab.join([torch.tensor([95])])
-    assert vocab.ids.tolist() == [0, 1, 2, 3, 95] and torch.equal(vocab.rows[:, 0], vocab.ids.float())
-    mixed = Vocabulary(
-        Shortlist.from_table(torch.zeros(100, 1, dtype=torch.long), torch.tensor([0, 90])),
-        matrix,
-        torch.float32,
-        remake_work=0,
-    )
-    mixed.join([torch.arange(5, 30), torch.tensor([6])])
-    mixed.leave([0], [1], torch.tensor([1]))  # made again from the union, sorted: 0, 6, 90
-    mixed.clear()  # ``always`` no longer first: made again
-    assert mixed.ids.tolist() == [0, 90] and mixed.remade == 3
+    vocab = Vocabulary(table, matrix, torch.float32)
+    columns = vocab.columns()
+    assert columns.always.tolist() == [0, 1, 2, 3] and torch.equal(columns.always_rows[:, 0], columns.always.float())
+    assert columns.width == 0 and columns.spans.shape == (0, 2) and vocab.columns() is columns  # made once a change
 
+    def check(expected: list[list[int]]) -> None:
+        columns = vocab.columns()
+        assert own_ids(columns) == expected and columns.width == max(map(len, expected), default=0)
+        for first, count in columns.spans.tolist():  # each column's own row
+            assert torch.equal(
+                columns.extra_rows[first : first + count, 0], columns.extra_ids[first : first + count].float()
+            )
 
-def test_leaving_sentences_remake_the_columns_only_when_the_unused_ones_cost_enough() -> None:
-    """Past ``SLACK``, the columns are made again only when unused columns x rows still decoding
-    reach ``remake_work``: the last few sentences of a batch keep the columns they have (their
-    products are small), many rows at a given waste remake them; beams count as rows."""
-    table = Shortlist.from_table(torch.zeros(400, 1, dtype=torch.long), torch.tensor([0, 1]))
-    matrix = torch.randn(400, 8)
-    for width, kept_rows, remade in ((1, 2, False), (1, 8, True), (4, 2, True)):
-        vocab = Vocabulary(table, matrix, torch.float32, remake_work=100 * 8)
-        vocab.join(
-            [torch.arange(2, 102), *[torch.tensor([0]) for _ in range(kept_rows)]]
-        )  # 100 columns of one sentence
-        before = vocab.remade
-        kept = list(range(1, kept_rows + 1))
-        vocab.leave([0], kept, torch.tensor(kept), width)  # 100 unused columns of 102
-        assert vocab.size == (2 if remade else 102) and (vocab.remade > before) == remade, (width, kept_rows)
-        own = vocab.bias[:, 0]  # the sentences left have only ``always``: 0 there, -inf in any unused column
-        assert own.shape == (kept_rows, vocab.size) and bool(
-            (own[:, :2] == 0).all() and (own[:, 2:] == -math.inf).all()
-        )
-
-
-@pytest.mark.parametrize("matrix_dtype", [torch.float32, torch.float16])
-def test_the_kernels_join_columns_as_the_tensor_operations_do(matrix_dtype: torch.dtype) -> None:
-    """``Vocabulary.join`` on the fused kernels (``join_columns``: counts, new columns in ascending
-    order, their rows widened to float32 from a float32 or float16 output matrix, the buffers
-    grown first) leaves the state the tensor operations leave, through joins, leaves, a remake
-    and clears; a join the buffers have no room for, or with an id outside the vocabulary, is
-    refused and changes nothing."""
-    variant = kernels.fused_variant(kernels.detected())
-    module = fused.load(variant)
-    require(module is not None, f"the fused step kernels ({variant}) do not build here: see the log")
-    table = Shortlist.from_table(torch.randint(0, 100, (100, 3)), torch.tensor([0, 1, 2, 3]))
-    matrix = torch.randn(100, 16).to(matrix_dtype)
-    plain, fast = (Vocabulary(table, matrix, torch.float32, remake_work=0) for _ in range(2))
-    rng = random.Random(4)
-    for round in range(12):
-        joining = [torch.tensor(sorted(rng.sample(range(100), rng.randint(1, 30)))) for _ in range(rng.randint(1, 4))]
-        plain.join(joining)
-        fast.join(joining, module)
-        for name in ("counts", "column", "ids", "rows", "bias"):
-            assert torch.equal(getattr(fast, name), getattr(plain, name)), (round, name)
-        n = len(plain.sentences)
-        if round % 4 == 3:
-            plain.clear()
-            fast.clear()
-        elif n > 2:
-            gone, kept = [0, n - 1], list(range(1, n - 1))
-            plain.leave(gone, kept, torch.tensor(kept))
-            fast.leave(gone, kept, torch.tensor(kept))
-    assert plain.remade == fast.remade and fast.rows.dtype == torch.float32
-    full = Vocabulary(table, matrix, torch.float32)  # its buffers hold ``always``'s 4 columns
-    counts, column = full.counts.clone(), full.column.clone()
-    with pytest.raises(RuntimeError, match="room for 0 new columns"):
-        module.join_columns(full.counts, full.column, full._ids, full._rows, 4, matrix, [torch.arange(100)])
-    with pytest.raises(RuntimeError, match="outside the vocabulary"):
-        module.join_columns(full.counts, full.column, full._ids, full._rows, 4, matrix, [torch.tensor([5, 100])])
-    assert torch.equal(full.counts, counts) and torch.equal(full.column, column)  # a refused join changes nothing
-
-
-def test_the_columns_panels_pack_only_the_columns_that_joined() -> None:
-    """``Vocabulary.panels``: the rows packed for the fused kernels' ``panel_product``, whose logits
-    are the rows' (to float rounding) over exactly the columns. A join packs its new columns
-    alone (from the start of the panel the first of them falls in), a join with no new column,
-    a leave and a clear pack nothing, a remake packs every column; the buffer grows keeping what
-    it holds."""
-    variant = kernels.fused_variant(kernels.detected())
-    module = fused.load(variant)
-    require(module is not None, f"the fused step kernels ({variant}) do not build here: see the log")
-    width = module.panel_width()
-    table = Shortlist.from_table(torch.arange(600).view(200, 3) % 200, torch.tensor([0, 1, 2, 3]))
-    vocab = Vocabulary(table, torch.randn(200, 32), torch.float32, remake_work=0)
-    x = torch.randn(9, 32)
-
-    def logits() -> None:
-        got = module.panel_product(x, vocab.panels(module), vocab.size)
-        torch.testing.assert_close(got, x @ vocab.rows.t(), atol=3e-5, rtol=1e-5)
-
-    logits()
-    assert vocab.packed == 4  # ``always``'s columns
-    before, size = vocab.packed, vocab.size
-    vocab.join([torch.tensor([10, 11, 12]), torch.tensor([40])], module)
-    logits()
-    assert vocab.size == size + 4 and vocab.packed - before == vocab.size - size // width * width
-    before = vocab.packed
-    vocab.join([torch.tensor([10, 40])], module)  # no new column
-    logits()
-    vocab.leave([1], [0, 2], torch.tensor([0, 2]))  # (its column is another's too: no remake)
-    logits()
-    assert vocab.remade == 1 and vocab.packed == before
-    for start in range(50, 190, 7):  # columns past the buffer's room: it grows, keeping its panels
-        size = vocab.size
-        vocab.join([torch.arange(start, start + 7)], module)
-        before = vocab.packed
-        logits()
-        assert vocab.packed - before == vocab.size - size // width * width
+    vocab.join([torch.tensor([1, 10, 11, 12]), torch.tensor([2, 3]), torch.tensor([40])])
+    check([[10, 11, 12], [], [40]])
+    vocab.leave([2, 0])  # the second leaves, the third comes first: nothing moves
+    check([[40], [10, 11, 12]])
+    vocab.join([torch.arange(50, 60)])
+    check([[40], [10, 11, 12], list(range(50, 60))])
+    before = vocab.compacted
+    for i in range(30):  # 96 own columns a sentence: past the buffers' room, compacted (moved to the front)
+        vocab.join([torch.arange(4 + i % 7, 100)])
+        vocab.leave(list(range(1, vocab.sentences)))  # the oldest leaves: its places are free
+    check([list(range(4 + i % 7, 100)) for i in range(27, 30)])
+    assert vocab.compacted > before and vocab._ids.numel() == 1024  # compacted, never grown past 2 x what is live
+    vocab.leave([])
+    check([])
+    vocab.KEPT = 4  # (a large batch's worth, here)
+    vocab.join([torch.arange(4, 90)])
     vocab.clear()
-    before = vocab.packed
-    logits()
-    assert vocab.size == 4 and vocab.packed == before  # ``always``'s columns were packed already
-    vocab.join([torch.arange(20, 60)], module)
-    vocab.leave([0], [], torch.tensor([], dtype=torch.long))  # the columns are many more than the union: remade
-    before = vocab.packed
-    logits()
-    assert vocab.remade == 2 and vocab.packed - before == vocab.size
+    check([])
+    assert vocab._ids.numel() == 4 and vocab._rows.shape == (4, 2)
+    vocab.join([torch.tensor([95])])
+    check([[95]])
+    half = Vocabulary(table, matrix.half(), torch.float32)  # a float16 output matrix (the shipped ones): kept so
+    half.join([torch.tensor([7, 8])])
+    assert half.always_rows.dtype == torch.float32 and half.columns().extra_rows.dtype == torch.float16
+    assert own_ids(half.columns()) == [[7, 8]] and half.columns().extra_rows[:2, 0].tolist() == [7.0, 8.0]
+
+
+def test_the_shared_columns_are_packed_once_and_score_as_their_rows() -> None:
+    """``Vocabulary.panels``: ``always``'s rows packed for the fused kernels' ``panel_product``
+    once, whose logits are the rows' (to float rounding) over exactly those columns."""
+    variant = kernels.fused_variant(kernels.detected())
+    module = fused.load(variant)
+    require(module is not None, f"the fused step kernels ({variant}) do not build here: see the log")
+    table = Shortlist.from_table(torch.zeros(200, 1, dtype=torch.long), torch.arange(37))
+    vocab = Vocabulary(table, torch.randn(200, 32), torch.float32)
+    panels = vocab.panels(module)
+    assert vocab.panels(module) is panels and panels.shape[0] == -(-37 // module.panel_width())
+    x = torch.randn(9, 32)
+    got = module.panel_product(x, panels, 37)
+    torch.testing.assert_close(got, x @ vocab.always_rows.t(), atol=3e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
@@ -346,9 +262,11 @@ def test_a_translators_batches_take_the_columns_over_instead_of_gathering_them_a
     alone = [decode(model, pad([[*r, 3]], 0), opts, table).hypotheses[0][0].ids for r in rows]
     got = [translator.decode_ids([r], opts)[0][0].ids for r in rows]
     vocab = translator._vocabulary
-    assert vocab is not None and vocab.remade == 1  # made once, by the first batch; cleared after each
+    assert vocab is not None and vocab.sentences == 0  # made once, by the first batch; cleared after each
+    shared = vocab.always_rows
     assert got == alone
     assert [h[0].ids for h in translator.decode_ids(rows, opts)] == alone and translator._vocabulary is vocab
+    assert vocab.always_rows is shared  # never gathered again
     holder = translator.open_session(opts)  # a session still decoding holds the columns
     holder.admit([rows[0]], [0])
     assert [h[0].ids for h in translator.decode_ids(rows[1:], opts)] == alone[1:]  # with columns of its own
