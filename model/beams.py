@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from model.shortlist import ShortlistColumns
 
@@ -184,10 +185,13 @@ class Beams:
         step = now - start  # (A,)
         vocab = None  # (A, C): each sentence's token of each column
         if columns is not None and own is not None:
-            index, valid = columns.padded()  # (A, E)
+            index, valid = columns.padded  # (A, E)
             logits = torch.cat([logits, own.masked_fill(~valid[:, None, :], -math.inf)], dim=2)
-            extra = torch.where(valid, columns.extra_ids[index], -1)
+            extra = torch.where(valid, columns.extra_ids[index], self.pad_id)
             vocab = torch.cat([columns.always.expand(valid.shape[0], -1), extra], dim=1)
+            if vocab.shape[1] < k:  # fewer columns than K (a tiny ``always``): the rest -inf, token PAD
+                logits = F.pad(logits, (0, k - vocab.shape[1]), value=-math.inf)
+                vocab = F.pad(vocab, (0, k - vocab.shape[1]), value=self.pad_id)
         a, w, width = logits.shape
         logp = torch.log_softmax(logits, dim=-1, out=logits).view(a * w, width)  # in place: no second (R, V) buffer
         if k == 1:

@@ -237,9 +237,9 @@ class DecodeSession:
     (decoder step, beam advance, truncation), ``_harvest`` (the finished sentences) and
     ``_compact`` (the others close the gaps).
 
-    With a ``shortlist`` (``model.shortlist``) a step scores only the union of the active
-    sentences' candidates, each sentence's rows kept to its own (``shortlist.Vocabulary``), and
-    the beams map the chosen columns back to token ids.
+    With a ``shortlist`` (``model.shortlist``) each row scores only its sentence's candidates:
+    the ``always`` columns every sentence shares and its own beyond them (``shortlist.Vocabulary``),
+    and the beams map the chosen columns back to token ids.
     """
 
     def __init__(

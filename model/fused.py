@@ -6,12 +6,13 @@ matrix products than computing them (docs/benchmarks.md "The fused step"). The C
 each of them in one call: a step's input embedding, each attention sub-layer (cache write,
 scores, softmax, weighted sum, heads merged), each post-LN residual join, a step of beam
 search's bookkeeping (``model.beams.Beams.advance``), the KV cache's reorder, and for joining
-sentences the encoder's self-attention, the shortlist's candidates and bias rows and the
-cross-attention K/V split into heads. It also has a matrix product for a few rows (``linear``,
-up to ``FEW_ROWS``), which streams the weights faster than MKL's sgemm there ("Small-row matrix
+sentences the encoder's self-attention, the shortlist's candidates and the cross-attention K/V
+split into heads, and each row's logits over its own sentence's shortlist columns
+(``span_logits``). It also has a matrix product for a few rows (``linear``, up to
+``FEW_ROWS``), which streams the weights faster than MKL's sgemm there ("Small-row matrix
 products"), and one for up to a few hundred rows on weights packed into panels (``panel_linear``,
-up to ``PANEL_ROWS``: "Packed panels"). ``model.step``, ``Beams``, ``DecodeSession``, ``KVCache``
-and ``Vocabulary`` use them when the model names them (``Transformer.fused_step``), and their own tensor operations
+up to ``PANEL_ROWS``: "Packed panels"). ``model.step``, ``Beams``, ``DecodeSession`` and ``KVCache``
+use them when the model names them (``Transformer.fused_step``), and their own tensor operations
 otherwise, with the same results to float rounding (tests/model/test_fused.py, and
 tests/model/test_decoding.py on both paths).
 

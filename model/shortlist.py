@@ -25,6 +25,7 @@ same for each run it finishes); ``checkpoint.load_shortlist`` reads it.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import logging
 import weakref
@@ -158,13 +159,20 @@ class ShortlistColumns:
     spans: torch.Tensor
     width: int
 
+    @functools.cached_property
     def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> each sentence's own columns as (A, E) indices into ``extra_ids`` and ``extra_rows``
-        (0 past its count) and (A, E) bool, true where a column is its own: for the tensor
-        operations' path (``DecoderStep``, ``Beams.advance``)."""
+        """Each sentence's own columns as (A, E) indices into ``extra_ids`` and ``extra_rows`` (0
+        past its count) and (A, E) bool, true where a column is its own: for the tensor
+        operations' path (``DecoderStep``, ``Beams.advance``), made once per change."""
         j = torch.arange(self.width, device=self.spans.device)
         own = j < self.spans[:, 1:]
         return torch.where(own, self.spans[:, :1] + j, 0), own
+
+    @functools.cached_property
+    def padded_rows(self) -> torch.Tensor:
+        """(A, E, D) each sentence's own rows, zeros past its count, in ``always_rows``' dtype:
+        the tensor operations' batched product (``DecoderStep``), made once per change."""
+        return self.extra_rows[self.padded[0]].to(self.always_rows.dtype)
 
 
 class Vocabulary:

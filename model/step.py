@@ -169,7 +169,7 @@ class _FewRows:
         """x (R, K) wᵀ for a float weight (N, K) that is a new tensor at every call (a shortlist's
         rows), so checked here with attribute reads only: on the kernels' ``linear`` up to
         ``limit`` rows, then up to ``panel_limit`` on the panels ``panels(kernels)`` gives for it
-        (``Vocabulary.panels``: packed once per change of the columns); ``F.linear`` where
+        (``Vocabulary.panels``: ``always``'s rows, packed once); ``F.linear`` where
         neither fits."""
         kernels, rows = self.kernels, x.shape[0]
         readable = weight.dtype == torch.float32 and weight.shape[1] % 16 == 0 and weight.is_contiguous()
@@ -407,17 +407,20 @@ class DecoderStep:
         shared = self.few_rows.product(x, columns.always_rows, columns.panels)  # (R, N)
         if columns.width == 0:
             return shared, shared.new_empty(x.shape[0], 0)
-        readable = columns.extra_rows.dtype in (torch.float32, torch.float16)
-        fused_rows = readable and x.dtype == torch.float32 and x.is_contiguous()
-        if self.fused is not None and fused_rows:
+        d = x.shape[1]
+        readable = columns.extra_rows.dtype in (torch.float32, torch.float16) and d % 16 == 0
+        if self.fused is not None and readable and x.dtype == torch.float32 and x.is_contiguous():
             every = _EVERY_ROW if sentences is None else sentences
             own = self.fused.span_logits(x, every, columns.extra_rows, columns.spans, columns.width)
-        else:  # (every row: only the fused kernels compute some)
-            index, valid = columns.padded()  # (A, E)
-            weights = columns.extra_rows[index]  # (A, E, D)
-            a = weights.shape[0]
-            own = torch.bmm(x.view(a, -1, x.shape[1]), weights.transpose(1, 2).to(x.dtype))  # (A, W, E)
-            own = own.masked_fill_(~valid[:, None, :], -math.inf).view(x.shape[0], -1)
+        else:  # a batched product over the sentences' own rows padded to the widest
+            weights, valid = columns.padded_rows, columns.padded[1]  # (A, E, D), (A, E)
+            if sentences is None:  # every row: W of each sentence, in order
+                a = weights.shape[0]
+                own = torch.bmm(x.view(a, -1, d), weights.transpose(1, 2)).masked_fill_(~valid[:, None, :], -math.inf)
+            else:  # some rows (fused kernels, a width they do not take): each with its sentence's rows
+                own = torch.bmm(x[:, None, :], weights[sentences].transpose(1, 2))
+                own = own.masked_fill_(~valid[sentences][:, None, :], -math.inf)
+            own = own.reshape(x.shape[0], -1)
         return shared, own.to(shared.dtype)
 
     def _layers(

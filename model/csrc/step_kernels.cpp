@@ -734,7 +734,7 @@ std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch
   for (int64_t i = 0; some && i < a * w; i++) {
     TORCH_CHECK(logits_row[i] >= -1 && logits_row[i] < logits.size(0), "rows: ", logits_row[i], " out of range");
   }
-  TORCH_CHECK(k >= 1 && k <= c && (w == 1 || w == k), "advance: ", w, " rows per sentence for a beam of ", k);
+  TORCH_CHECK(k >= 1 && c >= 1 && (w == 1 || w == k), "advance: ", w, " rows per sentence for a beam of ", k);
   TORCH_CHECK(scores.scalar_type() == torch::kFloat32 && scores.dim() == 2 && scores.size(0) == a,
               "scores must be float32 (A, K)");
   TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.dim() == 2 && lengths.size(0) == a &&
@@ -823,7 +823,10 @@ std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch
         std::copy(xr, xr + c, row.data());
         if (owned) std::copy(own_x + from_row * ec, own_x + from_row * ec + (candidates - c), row.data() + c);
         const float top = maximum(row.data(), candidates);
-        top_k(candidates, k, [&row](int64_t j) { return row[j]; }, rb, &row_index[r * k]);
+        // fewer candidates than K (a shortlist with a tiny ``always``): the rest -inf, token PAD
+        std::fill(rb, rb + k, -INFINITY);
+        std::fill(&row_index[r * k], &row_index[r * k] + k, -1);
+        top_k(candidates, std::min(k, candidates), [&row](int64_t j) { return row[j]; }, rb, &row_index[r * k]);
         const float log_sum = std::log(exp_shifted(row.data(), candidates, top));
         for (int64_t j = 0; j < k; j++) rb[j] = (rb[j] - top) - log_sum + s[i * k + r];
       }
@@ -832,7 +835,7 @@ std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch
         const int64_t beam = index[j] / k, from = i * k + beam, to = i * k + j;
         const bool was_finished = f[from];
         const int64_t column = row_index[index[j]];
-        const int64_t token = was_finished ? pad_id
+        const int64_t token = was_finished || column < 0 ? pad_id
                               : column >= c  ? extra_ids[span[2 * i] + column - c]
                               : mapped       ? ids[column]
                                              : column;

@@ -165,6 +165,42 @@ def test_each_sentence_is_translated_from_its_own_candidates_alone_or_in_any_bat
         assert [h.score for h in joined[i]] == pytest.approx([h.score for h in expected], abs=1e-4)
 
 
+def decode_with_a_joiner(model: Transformer, table: Shortlist, opts: DecodingOptions, rows: list[list[int]]) -> dict:
+    """The first sentence decoded alone for a step, then the others join -> best ids by tag."""
+    session = DecodeSession(model, opts, table)
+    session.admit(pad(rows[:1], 0), [0])
+    done = {f.tag: f.hypotheses[0].ids for f in session.step()}
+    session.admit(pad(rows[1:], 0), range(1, len(rows)))
+    while session.active:
+        done.update({f.tag: f.hypotheses[0].ids for f in session.step()})
+    return done
+
+
+@pytest.mark.parametrize("width", [32, 40])
+@pytest.mark.parametrize("beam_size", [1, 3, 6])
+def test_beams_wider_than_a_sentences_candidates_and_widths_the_kernels_do_not_take(width: int, beam_size: int) -> None:
+    """A beam wider than a sentence's candidates (``always`` is the 4 specials; a sentence of EOS
+    alone has nothing of its own), and a model width (40) whose own-columns product the kernels
+    do not take (the tensor operations' then, for every row or only the rows a joining step
+    computes): the fused kernels' path gives the tensor operations' hypotheses, every token a
+    real one."""
+    variant = kernels.fused_variant(kernels.detected())
+    require(fused.load(variant) is not None, f"the fused step kernels ({variant}) do not build here: see the log")
+    model = make_model(seed=5, d_model=width, n_heads=4)
+    gen = torch.Generator().manual_seed(1)
+    targets = torch.randint(4, V, (V, 2), generator=gen)
+    targets[3] = 0  # EOS: no targets of its own
+    table = Shortlist.from_table(targets, torch.tensor([0, 1, 2, 3]))
+    rows = [[3], *sources(5, seed=7)]
+    opts = DecodingOptions(beam_size=beam_size)
+    results = {}
+    for step_kernels in (variant, None):
+        model.fused_step = step_kernels
+        results[step_kernels] = decode_with_a_joiner(model, table, opts, rows)
+    assert results[variant] == results[None]
+    assert all(0 <= t < V for ids in results[variant].values() for t in ids)
+
+
 def test_the_shipped_shortlists_load_and_keep_the_translations(shipped: Path, data_dir: Path) -> None:
     """Each shipped one-direction checkpoint has a shortlist that matches its vocabulary; on
     de-en validation sentences decoded one at a time (the narrowest union) it gives the
