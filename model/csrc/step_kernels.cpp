@@ -374,6 +374,22 @@ const int64_t* index_data(const torch::Tensor& index, int64_t n, int64_t limit, 
   return data;
 }
 
+// Each sentence's (first, count) in a buffer of `total` entries laid end to end (spans (A, 2) int64,
+// contiguous, on the CPU), every count at most `width`. -> its data.
+const int64_t* span_data(const torch::Tensor& spans, int64_t width, int64_t total, const char* name) {
+  TORCH_CHECK(spans.is_cpu() && spans.scalar_type() == torch::kInt64 && spans.dim() == 2 && spans.size(1) == 2 &&
+                  spans.is_contiguous(),
+              name, ": spans must be a contiguous int64 (A, 2) CPU tensor");
+  const int64_t* span = spans.data_ptr<int64_t>();
+  for (int64_t i = 0; i < spans.size(0); i++) {
+    TORCH_CHECK(span[2 * i] >= 0 && span[2 * i + 1] >= 0 && span[2 * i + 1] <= width &&
+                    span[2 * i] + span[2 * i + 1] <= total,
+                name, ": sentence ", i, "'s own columns are not within the rows or the width (first ", span[2 * i],
+                ", count ", span[2 * i + 1], ")");
+  }
+  return span;
+}
+
 }  // namespace
 
 // Self-attention of one decoder step. qkv (R, 3D): each row's query, key and value, heads
@@ -754,15 +770,9 @@ std::tuple<std::vector<torch::Tensor>, std::vector<int64_t>> advance(const torch
               "vocab must be a contiguous int64 (C,) vector");
   TORCH_CHECK(!owned || (mapped && own.scalar_type() == torch::kFloat32 && own.is_contiguous() &&
                          own.dim() == logits.dim() && own.numel() == (logits.numel() / c) * ec &&
-                         is_vector(extra, torch::kInt64) && spans.scalar_type() == torch::kInt64 &&
-                         spans.dim() == 2 && spans.size(0) == a && spans.size(1) == 2 && spans.is_contiguous()),
-              "own must be float32 logits of the same rows, extra an int64 vector and spans int64 (A, 2), with vocab");
-  const int64_t* span = owned ? spans.data_ptr<int64_t>() : nullptr;
-  for (int64_t i = 0; owned && i < a; i++) {
-    TORCH_CHECK(span[2 * i] >= 0 && span[2 * i + 1] >= 0 && span[2 * i + 1] <= ec &&
-                    span[2 * i] + span[2 * i + 1] <= extra.numel(),
-                "advance: sentence ", i, "'s own columns are not within extra or own's logits");
-  }
+                         is_vector(extra, torch::kInt64) && spans.dim() == 2 && spans.size(0) == a),
+              "own must be float32 logits of the same rows, extra an int64 vector and spans (A, 2), with vocab");
+  const int64_t* span = owned ? span_data(spans, ec, extra.numel(), "advance") : nullptr;
   const int64_t* extra_ids = owned ? extra.data_ptr<int64_t>() : nullptr;
   const float* own_x = owned ? own.data_ptr<float>() : nullptr;
   const auto sc = scores.contiguous();
@@ -1002,17 +1012,8 @@ torch::Tensor span_logits(const torch::Tensor& x, const torch::Tensor& sentences
               "rows must be a contiguous float32 or float16 (T, D) CPU matrix");
   const int64_t r = x.size(0), d = x.size(1), t = rows.size(0);
   TORCH_CHECK(rows.size(1) == d && d % 16 == 0, "span_logits: x (R, D) and rows (T, D) need one D, a multiple of 16");
-  TORCH_CHECK(spans.is_cpu() && spans.scalar_type() == torch::kInt64 && spans.dim() == 2 && spans.size(1) == 2 &&
-                  spans.is_contiguous(),
-              "spans must be a contiguous int64 (A, 2) CPU tensor");
+  const int64_t* span = span_data(spans, width, t, "span_logits");
   const int64_t a = spans.size(0);
-  const int64_t* span = spans.data_ptr<int64_t>();
-  for (int64_t i = 0; i < a; i++) {
-    TORCH_CHECK(span[2 * i] >= 0 && span[2 * i + 1] >= 0 && span[2 * i + 1] <= width &&
-                    span[2 * i] + span[2 * i + 1] <= t,
-                "span_logits: sentence ", i, "'s columns (", span[2 * i], ", ", span[2 * i + 1],
-                ") are not within the rows or the width");
-  }
   const int64_t* sentence_of = index_data(sentences, r, a, "sentences", false);
   TORCH_CHECK(sentence_of != nullptr || (a > 0 ? r % a == 0 : r == 0), "span_logits: ", r, " rows for ", a,
               " sentences");
