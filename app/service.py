@@ -150,8 +150,9 @@ class LoadedModel:
         self.quality = _read_metrics(path)  # metrics.json: per direction for a many-to-many model
         self.translator = Translator(self.ckpt.model, self.ckpt.tokenizer, shortlist=self.shortlist)  # tagged sources
         limits = BatchLimits(
-            settings.max_batch_sentences, settings.max_batch_tokens, settings.max_wait_ms / 1000, settings.queue_size
-        )
+            settings.max_batch_sentences, settings.max_batch_tokens, settings.max_wait_ms / 1000, settings.queue_size,
+            settings.join_group, settings.max_join_wait_ms / 1000,
+        )  # fmt: skip
         self.scheduler = BatchScheduler(
             self.translator.open_session,
             limits,

@@ -72,6 +72,18 @@ class Settings(BaseSettings):
         description="how long an idle model may wait for company; it waits only when sentences arrive "
         "often enough to expect some within this time",
     )
+    join_group: int = Field(
+        16,
+        ge=1,
+        description="under load (more sentences queued than the running batch has room for), they join it in "
+        "groups of at least this many, one encoder pass each, instead of a few at every step; "
+        "1: as soon as there is room",
+    )
+    max_join_wait_ms: float = Field(
+        200.0,
+        ge=0,
+        description="the longest a queued sentence waits for its group (join_group) to form before it joins",
+    )
     queue_size: int = Field(2048, ge=1, description="sentences waiting per model before 429")
     request_timeout_s: float = Field(30.0, gt=0, description="per request, queueing included (504 after)")
     drain_timeout_s: float = Field(20.0, ge=0, description="on shutdown, time to finish accepted requests")

@@ -137,6 +137,7 @@ def steps_alone(ids: list[int], options: DecodingOptions) -> int:
 
 LONG = list(range(4, 40))  # 36 pieces
 SHORT = [5, 6]
+MID = [*SHORT, 7, 8, 9]
 
 
 def test_the_example_sentences_take_the_steps_the_tests_rely_on() -> None:
@@ -248,6 +249,48 @@ def test_sentences_join_a_running_batch_between_steps() -> None:
     assert h.sample("translator_batch_sentences_sum") == steps + steps_alone(SHORT, GREEDY)
 
 
+def test_under_load_joiners_wait_for_room_for_a_group() -> None:
+    """With ``join_group`` 2: while the batch is full and more wait than it has room for, queued
+    sentences join it two at a time (one encoder pass), not one at each step a place frees up;
+    with no time to wait (``max_join_wait_s`` 0) each joins as soon as there is room. Both
+    decode as alone."""
+    assert steps_alone(SHORT, GREEDY) < steps_alone(MID, GREEDY) < steps_alone(LONG, GREEDY)
+    first = [LONG, LONG[1:], SHORT, MID]
+    later = [[7, 8, 9], [9, 8, 7]]
+
+    async def scenario(h: Harness) -> None:
+        jobs = h.scheduler.submit(first, GREEDY)
+        session = await h.paused()
+        joiners = h.scheduler.submit(later, GREEDY)
+        session.release.set()
+        for job, ids in zip([*jobs, *joiners], [*first, *later], strict=True):
+            assert same(await result(job), alone(ids, GREEDY))
+
+    def run(max_join_wait_s: float) -> list:
+        limits = BatchLimits(4, 1000, 0.0, 100, join_group=2, max_join_wait_s=max_join_wait_s)
+        with Harness(pause_before=lambda s: s.session.steps == 1, limits=limits) as h:
+            asyncio.run(scenario(h))
+        return h.log
+
+    short, mid = steps_alone(SHORT, GREEDY), steps_alone(MID, GREEDY)
+    batch = [tuple(ids) for ids in [first[0], *sorted(first[1:], key=len)]]  # (a new batch: shortest first)
+    assert run(10.0) == [(1, 0, batch), (1, mid, [(7, 8, 9), (9, 8, 7)])]  # together, once MID left too
+    assert run(0.0) == [(1, 0, batch), (1, short, [(7, 8, 9)]), (1, mid, [(9, 8, 7)])]  # one place at a time
+
+
+def test_below_saturation_nobody_waits_for_a_group() -> None:
+    """With room for everyone queued and ``join_group`` to spare, a sentence joins the running
+    batch at the next step, whatever ``join_group`` and ``max_join_wait_s`` are."""
+
+    async def scenario(h: Harness) -> None:
+        await short_passes_long(h, h)
+
+    limits = BatchLimits(8, 1000, 0.0, 100, join_group=4, max_join_wait_s=10.0)
+    with Harness(pause_before=lambda s: s.session.steps == 3, limits=limits) as h:
+        asyncio.run(scenario(h))
+    assert h.log == [(1, 0, [tuple(LONG)]), (1, 4, [tuple(SHORT)])]
+
+
 def test_other_options_wait_for_the_running_batch_to_drain() -> None:
     """The oldest queued job decides what runs next: a job with other options is not starved
     by a stream of jobs that could join the running batch."""
@@ -349,9 +392,6 @@ def test_decode_steps_count_model_steps_not_sentences() -> None:
     expected = max(steps_alone(SHORT, GREEDY), steps_alone([9, 10, 11], GREEDY))
     assert h.sample("translator_decode_steps_total") == expected
     assert torch.is_grad_enabled()  # the model thread's inference mode did not leak
-
-
-MID = [*SHORT, 7, 8, 9]
 
 
 def test_cancelled_sentences_leave_the_running_batch_at_the_next_step() -> None:
