@@ -7,7 +7,8 @@ takes the oldest job and starts a batch of jobs with the same decoding
 options at once, unless sentences arrive so often that company is expected within
 ``max_wait`` (then it waits that long at most: a lone client never waits), bounded by sentence count and padded
 source tokens (shortest first, so little padding). While the batch runs, queued jobs with
-the batch's options join it between decoder steps, as far as the limits allow, and each
+the batch's options join it between decoder steps, as far as the limits allow (under load
+in groups of ``join_group``, one encoder pass each: ``BatchScheduler._joiners_wait``), and each
 sentence goes back to its request the step it is done. So the batch stays full under load
 instead of thinning out as its sentences finish. Jobs with other options wait until the
 running batch drains (the oldest job always decides what runs next), and model calls

@@ -10,8 +10,10 @@ vocabulary) in three ways and prints one JSON line per way:
   other (``bench/decode.py``'s setup: the best case for static batches);
 - ``static-arrival``: the same batches in arrival order (shuffled with a fixed seed), each run
   until its last sentence is done (a server's static batches under a full queue);
-- ``continuous``: arrival order, one running batch kept at ``--batch`` sentences: whenever
-  sentences leave it, queued ones join at the next decoder step (what the server does).
+- ``continuous``: arrival order, one running batch kept near ``--batch`` sentences: queued
+  ones join it before a decoder step once it has room for ``--join-group`` of them (or for all
+  that are left), as the server's scheduler does under load (``TRANSLATOR_JOIN_GROUP``; 1: at
+  every step that sentences left).
 
 Keys: mode, sentences, seconds (median of ``--repeat`` passes), sentences_per_s, steps
 (decoder steps), sentence_steps (sum over steps of the sentences decoded at it), mean_active,
@@ -48,28 +50,34 @@ class BatchingResult:
     steps: int
     sentence_steps: int
     mean_active: float
+    admissions: int  # calls that encoded sentences joining (or starting) the batch
     beam_size: int
     batch: int
+    join_group: int
     vocabulary: str  # "shortlist" (the checkpoint's, as the service decodes) or "full"
 
 
 def run(
-    translator: Translator, ids: list[list[int]], options: DecodingOptions, batch: int, refill: bool
-) -> tuple[int, int]:
+    translator: Translator, ids: list[list[int]], options: DecodingOptions, batch: int, refill: bool, group: int = 1
+) -> tuple[int, int, int]:
     """Decode ``ids`` in order through one session: a new batch of ``batch`` when it is empty,
-    or (``refill``) topped up to ``batch`` before every step -> (steps, sentence-steps)."""
+    or (``refill``) topped up to ``batch`` before a step once it has room for ``group`` (or for
+    every sentence left) -> (steps, sentence-steps, admissions)."""
     session = translator.open_session(options)
-    queued, done, steps, sentence_steps = 0, 0, 0, 0
+    queued, done, steps, sentence_steps, admissions = 0, 0, 0, 0, 0
+    group = min(group, batch)
     while done < len(ids):
         room = batch - session.active
-        if queued < len(ids) and room > 0 and (refill or session.active == 0):
+        joins = refill and room >= min(group, len(ids) - queued)
+        if queued < len(ids) and room > 0 and (joins or session.active == 0):
             joining = ids[queued : queued + room]
             session.admit(joining, range(queued, queued + len(joining)))
             queued += len(joining)
+            admissions += 1
         sentence_steps += session.active
         done += len(session.step())
         steps += 1
-    return steps, sentence_steps
+    return steps, sentence_steps, admissions
 
 
 def measure(
@@ -78,16 +86,16 @@ def measure(
     vocabulary = checkpoint.vocabulary_label(translator.shortlist)
     order = sorted(ids, key=len) if mode == "static-sorted" else ids
     passes: list[float] = []
-    counts = (0, 0)
+    counts = (0, 0, 0)
     for _ in range(args.repeat):
         start = time.perf_counter()
-        counts = run(translator, order, options, args.batch, refill=mode == "continuous")
+        counts = run(translator, order, options, args.batch, refill=mode == "continuous", group=args.join_group)
         passes.append(time.perf_counter() - start)
     seconds = median(passes)
-    steps, sentence_steps = counts
+    steps, sentence_steps, admissions = counts
     return BatchingResult(
         mode, len(ids), round(seconds, 3), round(len(ids) / seconds, 2), steps, sentence_steps,
-        round(sentence_steps / steps, 1), options.beam_size, args.batch, vocabulary,
+        round(sentence_steps / steps, 1), admissions, options.beam_size, args.batch, args.join_group, vocabulary,
     )  # fmt: skip
 
 
@@ -97,6 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data-dir", type=Path, default=MULTI30K_DIR)
     parser.add_argument("--beam-size", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64, help="sentences per batch (the server's default)")
+    parser.add_argument(
+        "--join-group", type=int, default=16, help="continuous: sentences join in groups of this many (the server's)"
+    )
     parser.add_argument("--limit", type=int, default=0, help="first N sentences only (0: all)")
     parser.add_argument("--repeat", type=int, default=3, help="passes per mode (median)")
     parser.add_argument("--threads", type=int, default=2)

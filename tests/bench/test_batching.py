@@ -14,7 +14,7 @@ def test_three_modes_decode_the_same_sentence_steps(
     shipped: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = ["--weights", str(shipped), "--data-dir", str(data_dir), "--limit", "48", "--batch", "8"]
-    batching.main([*args, "--repeat", "1", "--threads", "1"])
+    batching.main([*args, "--repeat", "1", "--threads", "1", "--join-group", "1"])
     rows = {row["mode"]: row for row in map(json.loads, capsys.readouterr().out.splitlines())}
     assert list(rows) == ["static-sorted", "static-arrival", "continuous"]
     for row in rows.values():
@@ -35,3 +35,21 @@ def test_no_shortlist_decodes_the_whole_vocabulary(
     batching.main([*args, "--repeat", "1", "--threads", "1", "--modes", "continuous", "--no-shortlist"])
     (row,) = map(json.loads, capsys.readouterr().out.splitlines())
     assert row["vocabulary"] == "full" and row["sentences"] == 8
+
+
+def test_a_continuous_batch_takes_joiners_in_groups(
+    shipped: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--join-group``: sentences join once the batch has room for that many, so there are fewer
+    admissions than with a place filled at every step, and the batch is less full between them."""
+    args = ["--weights", str(shipped), "--data-dir", str(data_dir), "--limit", "48", "--batch", "8"]
+    rows = []
+    for group in ("1", "4"):
+        batching.main([*args, "--repeat", "1", "--threads", "1", "--modes", "continuous", "--join-group", group])
+        (row,) = map(json.loads, capsys.readouterr().out.splitlines())
+        rows.append(row)
+    one, four = rows
+    assert (one["join_group"], four["join_group"]) == (1, 4)
+    assert one["sentence_steps"] == four["sentence_steps"]  # the same sentences, decoded as alone
+    assert four["admissions"] < one["admissions"]
+    assert four["mean_active"] < one["mean_active"] <= 8
