@@ -150,8 +150,8 @@ class BatchLimits:
     max_tokens: int
     max_wait_s: float
     queue_size: int
-    # Under load, queued sentences join a running batch in groups of at least ``join_group`` (or
-    # as many as the batch has room for), waiting at most ``max_join_wait_s`` (``BatchScheduler._joiners_wait``)
+    # Under load, queued sentences join a running batch once it has room for ``join_group`` of them,
+    # waiting at most ``max_join_wait_s`` for that (``BatchScheduler._joiners_wait``)
     join_group: int = 1
     max_join_wait_s: float = 0.0
 
@@ -357,10 +357,10 @@ class BatchScheduler:
         it in a larger group: while it is too full to take ``join_group`` of them and they are
         more than it has room for with ``join_group`` to spare (the model is saturated), for at
         most ``max_join_wait_s`` after the oldest was queued. Each admission runs the encoder
-        once, and most of an admission's cost is the same for one sentence as for eight (~1 ms
-        on 2 cores: the weights are read once a call): joining a few at every step, admissions
-        cost ~1.8x as much a sentence as in sorted batches of 64 (docs/benchmarks.md "Joiners
-        in groups"). Below saturation nobody waits: the batch has room for everyone queued."""
+        once, and much of a pass's cost does not grow with its sentences (on 2 cores one sentence
+        took ~1 ms, eight ~0.6 ms a sentence): joining ~2 at every step, admissions cost ~1.8x as
+        much a sentence as in sorted batches of 64 (docs/benchmarks.md "Joiners in groups").
+        Below saturation nobody waits: the batch has room for everyone queued."""
         lim = self.limits
         group = min(lim.join_group, lim.max_sentences)
         active = len(self._running)
