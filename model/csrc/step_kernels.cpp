@@ -1036,9 +1036,9 @@ torch::Tensor span_logits(const torch::Tensor& x, const torch::Tensor& sentences
     std::vector<float> wide(half ? width * d : 0);  // a sentence's rows widened from float16
     for (int64_t i = begin; i < end; i++) {
       const int64_t first = span[2 * i], count = span[2 * i + 1];
-      const float* w = half ? wide.data() : rows.data_ptr<float>() + first * d;
+      const float* own = half ? wide.data() : rows.data_ptr<float>() + first * d;
       if (half) widen(rows.data_ptr<at::Half>() + first * d, wide.data(), count * d);
-      const Product p{x.data_ptr<float>(), w, nullptr, op, d, width, false};
+      const Product p{x.data_ptr<float>(), own, nullptr, op, d, width, false};
       int64_t j = runs[i];
       for (; j + 4 <= runs[i + 1]; j += 4) span_rows<4>(p, j, count);
       switch (runs[i + 1] - j) {
