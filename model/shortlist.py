@@ -186,7 +186,7 @@ class Vocabulary:
     Before, the columns were the union of the active sentences' candidates, every row scoring
     every sentence's columns (a -inf bias kept each to its own): ~4,000 columns a row at 64
     sentences where its own are ~2,100, and in a continuously fed batch the columns of sentences
-    that had left lingered until a remake paid (docs/benchmarks.md "Each sentence's own columns")."""
+    that had left lingered until a remake paid (docs/benchmarks.md "Each sentence's own shortlist columns")."""
 
     def __init__(self, shortlist: Shortlist, matrix: torch.Tensor, dtype: torch.dtype) -> None:
         """matrix (V, D) the output projection; its rows are scored in ``dtype``."""
