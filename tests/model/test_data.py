@@ -1,4 +1,4 @@
-"""Length bucketing: the one rule training, offline translation and the benchmarks batch by."""
+"""Length bucketing: the one rule training, offline translation and the benchmarks batch by; padding."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
-from model.data import token_batches, write_lines
+from model.data import make_batch, pad, token_batches, write_lines
 
 LENGTHS = [5, 3, 9, 3, 7, 1, 12, 4]
 
@@ -21,6 +22,21 @@ def test_batches_cover_every_example_once_in_length_order_within_the_token_bound
     for batch in batches:
         assert max(LENGTHS[i] for i in batch) * len(batch) <= 16 or len(batch) == 1
     assert batches[-1] == [6]  # 12 tokens: a batch of its own (12 x 2 > 16)
+
+
+def test_pad_right_pads_to_the_longest_row() -> None:
+    padded = pad([[5, 6, 7], [8], []], pad_id=9)
+    assert padded.dtype == torch.long
+    assert padded.tolist() == [[5, 6, 7], [8, 9, 9], [9, 9, 9]]
+    assert pad([], 0).shape == (0, 0)
+
+
+def test_make_batch_frames_targets_with_bos_and_eos() -> None:
+    batch = make_batch([[10, 11], [12]], [[20], [21, 22, 23]], pad_id=0, bos_id=2, eos_id=3)
+    assert batch.src.tolist() == [[10, 11, 3], [12, 3, 0]]
+    assert batch.tgt_in.tolist() == [[2, 20, 0, 0], [2, 21, 22, 23]]
+    assert batch.tgt_out.tolist() == [[20, 3, 0, 0], [21, 22, 23, 3]]
+    assert batch.target_tokens == 6
 
 
 def test_max_items_bounds_the_batch_size() -> None:
