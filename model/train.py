@@ -172,7 +172,9 @@ class Trainer:
         batches = list(self.train_data.batches(o.max_tokens, shuffle=True, seed=o.seed + self.epoch))
         if max_steps is not None:
             batches = batches[: max_steps * o.accumulate]
-        total_loss, total_tokens, start = 0.0, 0, time.perf_counter()
+        # the summed loss stays on the device: reading it each step would make the host wait for
+        # the device before queueing the next step (only a visible progress bar reads it, now and then)
+        total_loss, total_tokens, start = torch.zeros((), dtype=torch.float64, device=self.device), 0, time.perf_counter()
         bar = tqdm(batches, desc=f"epoch {self.epoch + 1}", unit="batch", mininterval=2.0, leave=False, disable=None)
         group: list[Batch] = []
         for batch in bar:
@@ -183,7 +185,7 @@ class Trainer:
             for b in group:
                 loss = self._loss(b)
                 (loss / tokens).backward()
-                total_loss += float(loss.detach())
+                total_loss += loss.detach()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.clip_norm)
             self.optimizer.step()
             self.scheduler.step()
@@ -191,13 +193,14 @@ class Trainer:
             self.step += 1
             total_tokens += tokens
             group = []
-            rate = total_tokens / (time.perf_counter() - start)
-            bar.set_postfix(
-                loss=f"{total_loss / total_tokens:.3f}",
-                lr=f"{self.scheduler.get_last_lr()[0]:.2e}",
-                tok_s=f"{rate:.0f}",
-            )
-        return total_loss / max(total_tokens, 1), total_tokens / (time.perf_counter() - start)
+            if not bar.disable and self.step % 50 == 0:
+                bar.set_postfix(
+                    loss=f"{float(total_loss) / total_tokens:.3f}",
+                    lr=f"{self.scheduler.get_last_lr()[0]:.2e}",
+                    tok_s=f"{total_tokens / (time.perf_counter() - start):.0f}",
+                )
+        mean_loss = float(total_loss) / max(total_tokens, 1)  # waits for the epoch's last step
+        return mean_loss, total_tokens / (time.perf_counter() - start)
 
     @torch.no_grad()
     def validate(self) -> tuple[float, float]:
