@@ -179,11 +179,15 @@ class Translator:
         self,
         texts: Sequence[str],
         options: DecodingOptions,
-        max_batch_tokens: int = 4096,
+        max_batch_tokens: int | None = None,
         on_done: Callable[[int], object] | None = None,
     ) -> list[Translation]:
         """Translate many sentences: sort by length, decode in token-bounded batches, unsort.
-        ``on_done(n)`` is told after each batch how many sentences it finished (progress)."""
+        ``on_done(n)`` is told after each batch how many sentences it finished (progress).
+        Batches hold at most ``max_batch_tokens`` padded source tokens: by default 4,096 on the
+        CPU and 32,768 on a GPU, whose steps cost little more for many more sentences."""
+        if max_batch_tokens is None:
+            max_batch_tokens = 4096 if self.device.type == "cpu" else 32768
         ids = self.encode(texts)
         results: dict[int, Translation] = {}
         for chunk in token_batches([len(i) + 1 for i in ids], max_batch_tokens):  # (+ EOS)
