@@ -174,7 +174,8 @@ class Trainer:
             batches = batches[: max_steps * o.accumulate]
         # the summed loss stays on the device: reading it each step would make the host wait for
         # the device before queueing the next step (only a visible progress bar reads it, now and then)
-        total_loss, total_tokens, start = torch.zeros((), dtype=torch.float64, device=self.device), 0, time.perf_counter()
+        total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        total_tokens, start = 0, time.perf_counter()
         bar = tqdm(batches, desc=f"epoch {self.epoch + 1}", unit="batch", mininterval=2.0, leave=False, disable=None)
         group: list[Batch] = []
         for batch in bar:
