@@ -145,7 +145,12 @@ class Translator:
     def decode_stream(self, batch: Sequence[Sequence[int]], options: DecodingOptions) -> Iterator[Finished]:
         """Decode one batch; each sentence (its index in ``batch``) as soon as it is done."""
         src = source_batch(self.model, batch, self.prefix)
-        return decode_stream(self.model, src, options, self.shortlist, self._free_vocabulary())
+        return self._stream(src, options)
+
+    def _stream(self, src: torch.Tensor, options: DecodingOptions) -> Iterator[Finished]:
+        """src: (B, S). The shortlist's columns are asked for when the stream starts, where its
+        session claims them: a stream made while another has not started yet cannot share them."""
+        yield from decode_stream(self.model, src, options, self.shortlist, self._free_vocabulary())
 
     def open_session(self, options: DecodingOptions) -> IdsSession:
         """A running batch that sentences can join between steps (continuous batching). With

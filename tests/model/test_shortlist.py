@@ -309,6 +309,23 @@ def test_a_translators_batches_take_the_columns_over_instead_of_gathering_them_a
     assert holder.session._vocab is vocab and vocab.sentences and translator._vocabulary is vocab
 
 
+def test_streams_made_before_either_runs_each_decode_with_their_own_columns() -> None:
+    model, table, translator = narrow_translator(seed=2)
+    opts = DecodingOptions(beam_size=2)
+    rows = [r[:-1] for r in sources(4, seed=7)]
+    alone = [decode(model, pad([[*r, 3]], 0), opts, table).hypotheses[0][0].ids for r in rows]
+    streams = {0: translator.decode_stream(rows[:2], opts), 2: translator.decode_stream(rows[2:], opts)}
+    done: dict[int, list[int]] = {}
+    while streams:  # a sentence of each in turn: both sessions live at once
+        for first, stream in list(streams.items()):
+            finished = next(stream, None)
+            if finished is None:
+                del streams[first]
+            else:
+                done[first + finished.tag] = finished.hypotheses[0].ids
+    assert [done[i] for i in range(4)] == alone
+
+
 def test_with_the_shortlist_the_packed_output_projection_goes_and_the_whole_one_still_runs(shipped: Path) -> None:
     """``use_shortlist`` takes the whole-vocabulary projection off the decoding path (decoding
     reads the shortlist's rows): its packed copy freed where there was one, the token table kept
