@@ -52,6 +52,16 @@ class Tokenizer:
         """Encode texts to ids (no BOS/EOS)."""
         return [list(self.sp.encode(text, out_type=int)) for text in texts]
 
+    def sample(self, texts: Sequence[str], alpha: float, nbest: int, seed: int) -> list[list[int]]:
+        """Encode texts to ids, each segmentation drawn from the unigram model (subword
+        regularization; ``TokenizerConfig.sampling_alpha``): the same seed gives the same draws.
+        Seeds sentencepiece's process-wide generator, so it is for training, not for serving."""
+        spm.set_random_generator_seed(seed)
+        return [
+            list(self.sp.encode(text, out_type=int, enable_sampling=True, alpha=alpha, nbest_size=nbest))
+            for text in texts
+        ]
+
     def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
         """Decode ids to detokenized, cased text (special ids are dropped)."""
         return [str(self.sp.decode(list(x))) for x in ids]

@@ -96,7 +96,8 @@ class Trainer:
         self.valid_text = self._joined(self.valid_parts)
         self.tokenizer = self._tokenizer()  # from [train] alone, never from synthetic text
         self.synthetic = self._synthetic()
-        self.train_data = self._corpus(concat([self.train_text, self.synthetic]))
+        self.train_all = concat([self.train_text, self.synthetic])
+        self.train_data = self._corpus(self.train_all)
         self.valid_data = self._corpus(self.valid_text)
         self.model = Transformer(cfg.model).to(device)
         slow = kernels.bf16_autocast(device) if cfg.optim.bf16 else None
@@ -156,6 +157,16 @@ class Trainer:
             self.tokenizer.encode(text.src), self.tokenizer.encode(text.tgt), m.pad_id, m.bos_id, m.eos_id
         )
 
+    def _sampled_corpus(self) -> TokenizedCorpus:
+        """The training pairs segmented by sampling (subword regularization), drawn anew each
+        epoch from a seed of the run's and the epoch's, so a resumed run draws the same."""
+        t, m = self.cfg.tokenizer, self.cfg.model
+        seed = self.cfg.optim.seed * 100_003 + self.epoch
+        sample = self.tokenizer.sample
+        src = sample(self.train_all.src, t.sampling_alpha, t.sampling_nbest, seed)
+        tgt = sample(self.train_all.tgt, t.sampling_alpha, t.sampling_nbest, seed + 50_000)
+        return TokenizedCorpus(src, tgt, m.pad_id, m.bos_id, m.eos_id)
+
     def _autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
@@ -169,6 +180,8 @@ class Trainer:
         """One pass over the training data -> (loss per token, target tokens per second)."""
         o = self.cfg.optim
         self.model.train()
+        if self.cfg.tokenizer.sampling_alpha:
+            self.train_data = self._sampled_corpus()
         batches = list(self.train_data.batches(o.max_tokens, shuffle=True, seed=o.seed + self.epoch))
         if max_steps is not None:
             batches = batches[: max_steps * o.accumulate]

@@ -60,6 +60,21 @@ class TokenizerConfig:
     vocab_size: int = 8000
     model_type: Literal["unigram", "bpe"] = "unigram"
     character_coverage: float = 1.0
+    # subword regularization (Kudo 2018): each epoch the training sentences, both sides, are
+    # segmented anew by sampling from the unigram model, segmentation probabilities raised to
+    # ``sampling_alpha`` (sentencepiece's alpha: smaller is flatter); 0: the best segmentation
+    # always. ``sampling_nbest`` -1 samples from every segmentation, N > 1 from the N best.
+    # Validation, evaluation and serving always use the best segmentation.
+    sampling_alpha: float = 0.0
+    sampling_nbest: int = -1
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sampling_alpha <= 1.0:
+            raise ValueError(f"[tokenizer] sampling_alpha: 0 (off) to 1 expected, got {self.sampling_alpha}")
+        if self.sampling_nbest == 0 or self.sampling_nbest == 1 or self.sampling_nbest < -1:
+            raise ValueError(f"[tokenizer] sampling_nbest: -1 (all) or N > 1 expected, got {self.sampling_nbest}")
+        if self.sampling_alpha and self.model_type != "unigram":
+            raise ValueError("[tokenizer] sampling_alpha: samples a unigram model's segmentations only")
 
 
 @dataclass(frozen=True)

@@ -42,3 +42,16 @@ def test_piece_spans_point_at_each_piece_in_the_text(tiny_tokenizer: Tokenizer) 
     pieces = tiny_tokenizer.pieces(ids)
     for piece, (start, end) in zip(pieces, spans, strict=True):
         assert text[start:end] == piece.removeprefix("▁")
+
+
+def test_sampled_segmentations_vary_repeat_by_seed_and_decode_to_the_text(tiny_tokenizer: Tokenizer) -> None:
+    texts = ["Ein kleiner Junge spielt im Wasser.", "Two young men are walking down the street."] * 20
+    best = tiny_tokenizer.encode(texts)
+    first = tiny_tokenizer.sample(texts, alpha=0.3, nbest=-1, seed=7)
+    assert first == tiny_tokenizer.sample(texts, alpha=0.3, nbest=-1, seed=7)
+    assert first != tiny_tokenizer.sample(texts, alpha=0.3, nbest=-1, seed=8)
+    assert any(ids != b for ids, b in zip(first, best, strict=True))  # not the best segmentation every time
+    assert len({tuple(ids) for ids in first[0::2]}) > 1  # one sentence, several segmentations
+    assert tiny_tokenizer.decode(first) == tiny_tokenizer.decode(best) == texts
+    # the best segmentation stays what encode gives, whatever was sampled before
+    assert tiny_tokenizer.encode(texts) == best

@@ -188,3 +188,42 @@ def test_synthetic_entries_are_file_pairs_for_one_direction_runs(tmp_path: Path,
     path.write_text(config.replace("train_limit = 3000", 'synthetic = [["a", "b"]]\ndirections = ["de-en", "en-de"]'))
     with pytest.raises(ValueError, match="one-direction"):
         load_train_config(path)
+
+
+def test_subword_sampling_segments_the_training_pairs_anew_each_epoch_and_resumes_alike(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    text = TINY.format(data=data_dir, epochs="{epochs}", bf16="false").replace(
+        "vocab_size = 500", "vocab_size = 500\nsampling_alpha = 0.3"
+    )
+    configs = {}
+    for epochs in (1, 2):
+        configs[epochs] = tmp_path / f"sampled{epochs}.toml"
+        configs[epochs].write_text(text.replace("{epochs}", str(epochs)))
+    trainer = Trainer(load_train_config(configs[2]), tmp_path / "probe", torch.device("cpu"))
+    best = trainer.tokenizer.encode(trainer.train_all.src)
+    drawn = []
+    for epoch in (0, 1, 0):
+        trainer.epoch = epoch
+        drawn.append(trainer._sampled_corpus())
+    assert drawn[0].src_ids == drawn[2].src_ids and drawn[0].tgt_ids == drawn[2].tgt_ids  # the epoch's seed
+    assert drawn[0].src_ids != drawn[1].src_ids and drawn[0].tgt_ids != drawn[1].tgt_ids
+    assert drawn[0].src_ids != best and trainer.tokenizer.decode(drawn[0].src_ids) == trainer.tokenizer.decode(best)
+    assert trainer.valid_data.src_ids == trainer.tokenizer.encode(trainer.valid_text.src)  # never sampled
+
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    train(load_train_config(configs[2]), straight, max_steps_per_epoch=4)
+    train(load_train_config(configs[1]), interrupted, max_steps_per_epoch=4)
+    train(load_train_config(configs[2]), interrupted, resume=True, max_steps_per_epoch=4)
+    assert epochs_of(interrupted)[1]["train_loss"] == epochs_of(straight)[1]["train_loss"]
+
+
+def test_sampling_settings_are_checked() -> None:
+    from model.train_config import TokenizerConfig
+
+    with pytest.raises(ValueError, match="sampling_alpha"):
+        TokenizerConfig(sampling_alpha=1.5)
+    with pytest.raises(ValueError, match="sampling_nbest"):
+        TokenizerConfig(sampling_alpha=0.2, sampling_nbest=1)
+    with pytest.raises(ValueError, match="unigram"):
+        TokenizerConfig(model_type="bpe", sampling_alpha=0.2)
