@@ -31,7 +31,7 @@ from model.decoding import DecodingOptions
 from model.evaluate import measure_checkpoint, score_translations
 from model.multi30k import ensure_split_files
 from model.progress import progress
-from model.tokenizer import Tokenizer, target_tag, train_tokenizer
+from model.tokenizer import Tokenizer, target_prefix, target_tag, train_tokenizer
 from model.train_config import TrainConfig, load_train_config
 from model.train_state import average_files, load_state, save_state
 from model.transformer import Transformer
@@ -142,6 +142,16 @@ class Trainer:
         if spm_path.exists():
             return Tokenizer.load(spm_path)
         t = self.cfg.tokenizer
+        if t.model:
+            tokenizer = Tokenizer.load(t.model)
+            if tokenizer.vocab_size != t.vocab_size:
+                raise ValueError(
+                    f"[tokenizer] model {t.model} has {tokenizer.vocab_size} pieces, vocab_size says {t.vocab_size}"
+                )
+            for lang in self.languages if self.many else []:
+                target_prefix(tokenizer, lang)  # a many-to-many run's tags are pieces of it
+            spm_path.write_bytes(tokenizer.model_proto)
+            return tokenizer
         if self.many:  # each language's sentences once, however many directions they appear in
             corpus = list(dict.fromkeys(x for text in self.train_parts.values() for x in text.src + text.tgt))
             tags = [target_tag(lang) for lang in self.languages]

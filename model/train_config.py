@@ -67,6 +67,11 @@ class TokenizerConfig:
     # Validation, evaluation and serving always use the best segmentation.
     sampling_alpha: float = 0.0
     sampling_nbest: int = -1
+    # a sentencepiece model file to use instead of training one (relative paths from the working
+    # folder, like [data] dir): sentencepiece's training gives another model under another
+    # version of it (0.2.0, 0.2.1 and 0.2.3 each did on the same sentences), so a config that
+    # reproduces shipped weights names their spm.model; vocab_size must match it
+    model: str = ""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.sampling_alpha <= 1.0:

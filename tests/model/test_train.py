@@ -227,3 +227,36 @@ def test_sampling_settings_are_checked() -> None:
         TokenizerConfig(sampling_alpha=0.2, sampling_nbest=1)
     with pytest.raises(ValueError, match="unigram"):
         TokenizerConfig(model_type="bpe", sampling_alpha=0.2)
+
+
+def test_a_named_tokenizer_model_is_used_as_it_is(tmp_path: Path, data_dir: Path) -> None:
+    """[tokenizer] model: the run reads that sentencepiece file instead of training one (how a
+    config reproduces shipped weights whatever sentencepiece version trains here)."""
+    from model.data import read_lines
+    from model.tokenizer import train_tokenizer
+
+    sentences = read_lines(data_dir / "train.de.gz")[-800:] + read_lines(data_dir / "train.en.gz")[-800:]
+    other = train_tokenizer(sentences, vocab_size=400)
+    (tmp_path / "given.model").write_bytes(other.model_proto)
+    text = TINY.format(data=data_dir, epochs=1, bf16="false")
+    config = tmp_path / "given.toml"
+    config.write_text(text.replace("vocab_size = 500", f'vocab_size = 400\nmodel = "{tmp_path / "given.model"}"'))
+    trainer = Trainer(load_train_config(config), tmp_path / "run", torch.device("cpu"))
+    assert trainer.tokenizer.model_proto == other.model_proto
+    assert (tmp_path / "run" / "spm.model").read_bytes() == other.model_proto
+    config.write_text(text.replace("vocab_size = 500", f'vocab_size = 500\nmodel = "{tmp_path / "given.model"}"'))
+    with pytest.raises(ValueError, match="has 400 pieces"):
+        Trainer(load_train_config(config), tmp_path / "mismatch", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("config", sorted((Path(__file__).parents[2] / "configs").glob("*.toml")), ids=lambda p: p.stem)
+def test_each_shipped_config_reads_its_weights_vocabulary(config: Path) -> None:
+    from model.tokenizer import Tokenizer, target_prefix
+
+    cfg = load_train_config(config)
+    root = Path(__file__).parents[2]
+    assert cfg.tokenizer.model == f"weights/{config.stem}/spm.model"
+    tokenizer = Tokenizer.load(root / cfg.tokenizer.model)
+    assert tokenizer.vocab_size == cfg.tokenizer.vocab_size == cfg.model.tgt_vocab_size
+    for _source, target in cfg.data.pairs() if cfg.data.directions else []:
+        assert target_prefix(tokenizer, target)
