@@ -4,17 +4,21 @@
         [--beam-size N] [--batch-size N] [--device D] [--dtype P] [--limit N] [--threads N]
     python -m model.evaluate --weights weights/de-en --then weights/en-fr --split val   # through English
     python -m model.evaluate --weights weights/many-to-many --direction de-fr --split val
+    python -m model.evaluate --weights runs/x/model --split val --length-penalty 1.8 --hypotheses x.txt
 
 prints one JSON line: bleu (cased, 13a), bleu_lc (lowercased), chrf, their sacreBLEU signatures,
 sentences, seconds,
-beam_size, dtype and the linear kernel that ran (``model.kernels``). With ``--then`` the first
+beam_size, length_penalty, dtype and the linear kernel that ran (``model.kernels``). With ``--then`` the first
 checkpoint's output is the second's input (a pivot, as the service runs a pair without a model of
 its own), each leg decoded with its own card's settings; the score is of the second's output.
+``--length-penalty`` sets the scored leg's alpha (sweeps on val); ``--hypotheses`` keeps its
+translations, so two systems can be tested in pairs (``sacrebleu REF -i A B --paired-bs``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import time
@@ -27,7 +31,7 @@ import torch
 
 from model import checkpoint, kernels
 from model.allocator import tune_malloc
-from model.data import read_lines, read_parallel, split_file
+from model.data import read_lines, read_parallel, split_file, write_lines
 from model.decoding import DecodingOptions
 from model.multi30k import default_dir, ensure_split_files
 from model.progress import progress
@@ -68,12 +72,20 @@ def translate_all(
 
 
 def evaluate(
-    translator: Translator, src: Sequence[str], ref: Sequence[str], options: DecodingOptions, batch_size: int = 64
+    translator: Translator,
+    src: Sequence[str],
+    ref: Sequence[str],
+    options: DecodingOptions,
+    batch_size: int = 64,
+    keep: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Translate ``src`` and score against ``ref``; timing covers tokenization to text."""
+    """Translate ``src`` and score against ``ref``; timing covers tokenization to text. The
+    translations are appended to ``keep`` when given (for paired significance tests)."""
     start = time.perf_counter()
     hyps = translate_all(translator, src, options, batch_size)
     seconds = time.perf_counter() - start
+    if keep is not None:
+        keep.extend(hyps)
     return {
         **score_translations(hyps, ref),
         "sentences": len(src),
@@ -127,6 +139,12 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument("--data-dir", type=Path, help="Multi30k folder for --split (default: translator data's)")
     parser.add_argument("--beam-size", type=int, help="default: the model card's")
+    parser.add_argument("--length-penalty", type=float, help="GNMT alpha of the scored leg (default: the model card's)")
+    parser.add_argument(
+        "--hypotheses",
+        type=Path,
+        help="also write the scored translations here, one a line (.gz: gzip), e.g. for sacrebleu's --paired-bs",
+    )
     parser.add_argument("--batch-size", type=int, default=64, help="sentences per batch (approx.)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=kernels.PRECISIONS, help="inference precision")
@@ -170,14 +188,15 @@ def main(argv: list[str] | None = None) -> None:
         src, ckpt, prefix = translate_all(leg, src, first, args.batch_size), then, ()
         pair = checkpoint.directions(then.meta)[0]
     short = checkpoint.use_shortlist(ckpt, args.shortlist)
-    result = evaluate(
-        Translator(ckpt.model, ckpt.tokenizer, prefix, short),
-        src,
-        ref,
-        checkpoint.decoding_options(ckpt.meta, args.beam_size, direction="-".join(pair)),
-        args.batch_size,
-    )
+    options = checkpoint.decoding_options(ckpt.meta, args.beam_size, direction="-".join(pair))
+    if args.length_penalty is not None:
+        options = dataclasses.replace(options, length_penalty=args.length_penalty)
+    hyps: list[str] = []
+    result = evaluate(Translator(ckpt.model, ckpt.tokenizer, prefix, short), src, ref, options, args.batch_size, hyps)
     result["seconds"] = round(time.perf_counter() - start, 3)
+    result["length_penalty"] = options.length_penalty
+    if args.hypotheses is not None:
+        write_lines(args.hypotheses, hyps)
     vocabulary = checkpoint.vocabulary_label(short)
     print(json.dumps({**result, "dtype": args.dtype, "kernel": ckpt.plan.kernel, "vocabulary": vocabulary}))
 

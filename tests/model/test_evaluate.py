@@ -125,3 +125,31 @@ def test_then_scores_a_pivot_through_the_first_checkpoints_output(data_dir: Path
     cmd[cmd.index("--then") + 1] = str(ROOT / "weights/fr-en")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 2 and "from fr" in proc.stderr and "into en" in proc.stderr
+
+
+def test_length_penalty_and_hypotheses_options(tmp_path: Path, data_dir: Path) -> None:
+    """--length-penalty replaces the card's alpha; --hypotheses keeps the scored translations,
+    which are those of the same decoding in process and score as printed."""
+    import dataclasses
+
+    from model import checkpoint
+    from model.data import read_lines
+    from model.evaluate import translate_all
+    from model.translator import Translator
+
+    ckpt = checkpoint.load(ROOT / "weights/de-en")
+    src = read_lines(data_dir / "val.de.gz")[:12]
+    ref = read_lines(data_dir / "val.en.gz")[:12]
+    for alpha in (0.0, 3.0):
+        out = tmp_path / f"hyps-{alpha}.txt"
+        cmd = [sys.executable, "-m", "model.evaluate", "--weights", str(ROOT / "weights/de-en"), "--split", "val"]
+        cmd += ["--data-dir", str(data_dir), "--limit", "12", "--beam-size", "3", "--threads", "1", "--no-shortlist"]
+        cmd += ["--length-penalty", str(alpha), "--hypotheses", str(out)]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads(proc.stdout.splitlines()[-1])
+        options = dataclasses.replace(checkpoint.decoding_options(ckpt.meta, 3), length_penalty=alpha)
+        expected = translate_all(Translator(ckpt.model, ckpt.tokenizer), src, options)
+        assert result["length_penalty"] == alpha and read_lines(out) == expected
+        assert result["bleu"] == score_translations(expected, ref)["bleu"]
+    assert read_lines(tmp_path / "hyps-0.0.txt") != read_lines(tmp_path / "hyps-3.0.txt")  # the option is used
