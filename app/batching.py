@@ -354,17 +354,15 @@ class BatchScheduler:
 
     def _joiners_wait(self, oldest: Job, now: float) -> bool:
         """Whether the queued jobs wait another step before joining the running batch, to join
-        it in a larger group: while it is too full to take ``join_group`` of them and they are
-        more than it has room for with ``join_group`` to spare (the model is saturated), for at
-        most ``max_join_wait_s`` after the oldest was queued. Each admission runs the encoder
-        once, and much of a pass's cost does not grow with its sentences (on 2 cores one sentence
-        took ~1 ms, eight ~0.6 ms a sentence): joining ~2 at every step, admissions cost ~1.8x as
-        much a sentence as in sorted batches of 64 (docs/benchmarks.md "Joiners in groups").
-        Below saturation nobody waits: the batch has room for everyone queued."""
+        it in a larger group: while it has fewer than ``join_group`` free places (the model is
+        saturated), for at most ``max_join_wait_s`` after the oldest was queued. Each admission
+        runs the encoder once, and much of a pass's cost does not grow with its sentences (on 2
+        cores one sentence took ~1 ms, eight ~0.6 ms a sentence): joining ~2 at every step,
+        admissions cost ~1.8x as much a sentence as in sorted batches of 64 (docs/benchmarks.md
+        "Joiners in groups"). With ``join_group`` places free nobody waits."""
         lim = self.limits
         group = min(lim.join_group, lim.max_sentences)
-        active = len(self._running)
-        if lim.max_sentences - active >= group or active + len(self._pending) <= lim.max_sentences - group:
+        if lim.max_sentences - len(self._running) >= group:
             return False
         return now - oldest.enqueued < lim.max_join_wait_s
 

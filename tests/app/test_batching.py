@@ -250,7 +250,7 @@ def test_sentences_join_a_running_batch_between_steps() -> None:
 
 
 def test_under_load_joiners_wait_for_room_for_a_group() -> None:
-    """With ``join_group`` 2: while the batch is full and more wait than it has room for, queued
+    """With ``join_group`` 2: while the batch has fewer than two free places, queued
     sentences join it two at a time (one encoder pass), not one at each step a place frees up;
     with no time to wait (``max_join_wait_s`` 0) each joins as soon as there is room. Both
     decode as alone."""
@@ -279,8 +279,8 @@ def test_under_load_joiners_wait_for_room_for_a_group() -> None:
 
 
 def test_below_saturation_nobody_waits_for_a_group() -> None:
-    """With room for everyone queued and ``join_group`` to spare, a sentence joins the running
-    batch at the next step, whatever ``join_group`` and ``max_join_wait_s`` are."""
+    """With ``join_group`` places free, a sentence joins the running batch at the next step,
+    however long ``max_join_wait_s`` is."""
 
     async def scenario(h: Harness) -> None:
         await short_passes_long(h, h)
