@@ -1,6 +1,6 @@
 """Train a translation model from a TOML config.
 
-    python -m model.train --config configs/de-en.toml [--out DIR] [--resume] [--device D]
+    python -m model.train --config configs/de-en.toml [--out DIR] [--resume] [--device D] [--no-score]
 
 Each epoch: training with label-smoothed cross entropy, then validation loss and greedy
 validation BLEU, an epoch checkpoint, a JSONL log line and the resumable state. At the end:
@@ -375,21 +375,28 @@ def train(
     device: str = "auto",
     max_steps_per_epoch: int | None = None,
     time_budget_s: float | None = None,
+    score: bool = True,
 ) -> Path:
-    """Train (or continue) a run and return the final checkpoint folder."""
+    """Train (or continue) a run and return the final checkpoint folder; ``score`` False skips
+    its scores (``metrics.json``: greedy and beam search on val and test, minutes on a CPU),
+    e.g. in a timed GPU call that brings the weights back to be scored elsewhere."""
     trainer = Trainer(cfg, out, resolve_device(device))
     if resume and (out / "state").exists():
         trainer.resume()
     trainer.run(max_steps_per_epoch, time_budget_s)
     final = trainer.finish()
     d, device = cfg.data, str(trainer.device)
+    if not trainer.many:
+        checkpoint.write_shortlist(final, trainer.data_dir)  # model.shortlist's defaults
+    if not score:
+        (final / checkpoint.METRICS).unlink(missing_ok=True)  # (a resumed run's earlier scores)
+        return final
     if trainer.many:  # per direction, each source led by its target's tag
         metrics = {
             f"{s}-{t}": measure_checkpoint(final, trainer.data_dir, s, t, [d.valid, d.test], device, d.eval_limit)
             for s, t in trainer.pairs
         }
     else:
-        checkpoint.write_shortlist(final, trainer.data_dir)  # model.shortlist's defaults
         splits = [d.valid, d.test]
         metrics = measure_checkpoint(final, trainer.data_dir, d.source, d.target, splits, device, d.eval_limit)
     (final / checkpoint.METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
@@ -408,12 +415,18 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         help="start no epoch that would end past this many minutes of training (then average and score as usual)",
     )
+    parser.add_argument(
+        "--no-score",
+        dest="score",
+        action="store_false",
+        help="write OUT/model without scoring it (no metrics.json; score it later with model.evaluate)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_train_config(args.config)
     out = args.out or Path("runs") / cfg.name
     budget = None if args.time_budget_minutes is None else args.time_budget_minutes * 60
-    final = train(cfg, out, args.resume, args.device, args.max_steps_per_epoch, budget)
+    final = train(cfg, out, args.resume, args.device, args.max_steps_per_epoch, budget, args.score)
     log.info("final checkpoint: %s", final)
 
 

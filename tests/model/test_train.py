@@ -260,3 +260,20 @@ def test_each_shipped_config_reads_its_weights_vocabulary(config: Path) -> None:
     assert tokenizer.vocab_size == cfg.tokenizer.vocab_size == cfg.model.tgt_vocab_size
     for _source, target in cfg.data.pairs() if cfg.data.directions else []:
         assert target_prefix(tokenizer, target)
+
+
+def test_no_score_writes_the_model_without_scoring_it(tmp_path: Path, data_dir: Path) -> None:
+    from model.train import main
+
+    config = tiny_config(tmp_path, data_dir, epochs=1)
+    main(["--config", str(config), "--out", str(tmp_path / "run"), "--max-steps-per-epoch", "2", "--no-score"])
+    final = tmp_path / "run" / "model"
+    loaded = checkpoint.load(final)
+    assert loaded.meta["training"]["epochs"] == 1
+    assert checkpoint.load_shortlist(final, loaded.config.tgt_vocab_size) is not None  # still built
+    assert not (final / "metrics.json").exists()
+    # scored by a later run of the same folder, unscored again without leaving the old scores
+    main(["--config", str(config), "--out", str(tmp_path / "run"), "--max-steps-per-epoch", "2", "--resume"])
+    assert (final / "metrics.json").exists()
+    main(["--config", str(config), "--out", str(tmp_path / "run"), "--resume", "--no-score"])
+    assert not (final / "metrics.json").exists()
