@@ -183,6 +183,7 @@ def serve(argv: list[str]) -> None:
         host=settings.host,
         port=settings.port,
         log_config=None,
+        access_log=False,  # app.access logs each request (with its id); uvicorn's own is disabled (app.logs)
         # the app cuts requests off after the drain timeout itself (AppState.drain_on_signals);
         # uvicorn's own limit is a backstop a second later
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s) + 1,

@@ -16,8 +16,8 @@ from fastapi.staticfiles import StaticFiles
 from app import errors, openapi, tracing
 from app.cli import version
 from app.deps import security_schemes
-from app.middleware import BodyLimitMiddleware, JsonCorsMiddleware, RequestContextMiddleware
-from app.routes import STATIC, build_router
+from app.middleware import BodyLimitMiddleware, DirectRoutes, JsonCorsMiddleware, RequestContextMiddleware
+from app.routes import STATIC, build_router, direct_translate
 from app.settings import Settings
 from app.state import AppState
 from app.uploads import FORM_OVERHEAD
@@ -80,9 +80,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     # the request models state this server's limits (its settings, its checkpoints' config.json)
     facts = openapi.model_facts(settings.weights_dir, settings.load_only)
-    app.include_router(build_router(openapi.request_models(settings, facts)))
+    models = openapi.request_models(settings, facts)
+    app.include_router(build_router(models))
     if STATIC.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    # innermost: POST /translate past the router, inside every middleware below (app.middleware)
+    direct = {("POST", "/translate"): direct_translate(models)}
+    app.add_middleware(DirectRoutes, routes=direct, handlers=app.exception_handlers)
     if settings.cors_origins:
         app.add_middleware(
             JsonCorsMiddleware,

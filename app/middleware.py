@@ -9,10 +9,12 @@ import re
 import time
 import uuid
 from collections.abc import Mapping
+from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.middleware.exceptions import ExceptionMiddleware
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -92,6 +94,29 @@ class RequestContextMiddleware:
                 extra={"status": status, "duration_ms": round(elapsed * 1000, 2)},
             )
             request_id_var.reset(token)
+
+
+class DirectRoutes:
+    """Requests for a few busy routes, by exact method and path, go straight to their ASGI apps
+    past the router; everything else goes on to the app. FastAPI's path to a route's handler
+    (route matching, the request's exit stacks, the handler's dependency resolution) was about
+    a fifth of the event loop's CPU a /translate, which on a small machine the model's threads
+    wait for (docs/benchmarks.md "The event loop's share past the router").
+
+    What a direct app raises is answered by the app's own exception handlers (``handlers``,
+    as the router's routes are: Starlette's ExceptionMiddleware around each); anything no
+    handler takes goes on up to the catch-all ``Exception`` handler, as from any route. Add it
+    innermost (first), so the other middleware (request ids, metrics, body limit, CORS) see
+    these requests as any other."""
+
+    def __init__(self, app: ASGIApp, routes: Mapping[tuple[str, str], ASGIApp], handlers: Mapping[Any, Any]) -> None:
+        self.app = app
+        caught = {kind: handler for kind, handler in handlers.items() if kind not in (500, Exception)}
+        self.routes = {key: ExceptionMiddleware(route, handlers=caught) for key, route in routes.items()}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        direct = self.routes.get((scope["method"], scope["path"])) if scope["type"] == "http" else None
+        await (self.app if direct is None else direct)(scope, receive, send)
 
 
 class JsonCorsMiddleware(CORSMiddleware):

@@ -12,7 +12,7 @@ locals, which FastAPI reads from the signatures at run time.)
 import asyncio
 import functools
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -20,7 +20,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, make_asgi_app
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app import attention_view, documents, html, timing, uploads
 from app.deps import HeaderKey, StateDep, body, direction_service, get_state, keyed
@@ -85,6 +85,7 @@ def build_router(models: RequestModels) -> APIRouter:
     # CPU a request at 64 clients, CPU the model's two threads wait for on a small machine
     # (docs/benchmarks.md "Serving: the collector and the framework's share"). The document is
     # the same: the body was always given by hand, the answer's schema is ``response_model``.
+    # ``create_app`` serves it past the router (``direct_translate``, the same ``translate_answer``).
     @router.post(
         "/translate",
         response_model=TranslateResponse,
@@ -95,10 +96,7 @@ def build_router(models: RequestModels) -> APIRouter:
     async def translate(request: Request) -> Response:
         """Translate a text or a list of texts (LibreTranslate-compatible). With ``source: "auto"``
         each text's language is detected (``detectedLanguage`` in the answer, one per text)."""
-        state = await get_state(request)
-        payload = await translate_body(request, state)
-        answer = await translate_texts(payload, state, request)
-        return Response(answer.model_dump_json(exclude_none=True), media_type="application/json")
+        return await translate_answer(request, translate_body)
 
     @router.post("/detect", responses=ERRORS, openapi_extra=keyed(request_body(models.detect)))
     async def detect(payload: DetectBody, state: StateDep) -> list[DetectionResult]:
@@ -148,6 +146,32 @@ def build_router(models: RequestModels) -> APIRouter:
     )
     add_service_routes(router)
     return router
+
+
+async def translate_answer(
+    request: Request, read: Callable[[Request, AppState], Awaitable[TranslateRequest]]
+) -> Response:
+    """POST /translate: the body read by ``read`` (a ``body`` dependency), its texts translated,
+    the answer's JSON bytes."""
+    state = await get_state(request)
+    payload = await read(request, state)
+    answer = await translate_texts(payload, state, request)
+    return Response(answer.model_dump_json(exclude_none=True), media_type="application/json")
+
+
+def direct_translate(models: RequestModels) -> ASGIApp:
+    """POST /translate as a bare ASGI app, for ``app.middleware.DirectRoutes``: the route's own
+    ``translate_answer`` without FastAPI's router and request handler around it (route matching,
+    its exit stacks, dependency resolution: about a fifth of the event loop's CPU a request,
+    docs/benchmarks.md "The event loop's share past the router"). The route ``build_router``
+    registers stays: the OpenAPI document is its, and an app without ``DirectRoutes`` serves it."""
+    read = body(models.translate)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        response = await translate_answer(Request(scope, receive, send), read)
+        await response(scope, receive, send)
+
+    return app
 
 
 def add_service_routes(router: APIRouter) -> None:
