@@ -84,7 +84,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(build_router(models))
     if STATIC.is_dir():
         app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    # innermost: POST /translate past the router, inside every middleware below (app.middleware)
+    # POST /translate past the router; added first, so innermost: the middleware added after it wrap it too
     direct = {("POST", "/translate"): direct_translate(models)}
     app.add_middleware(DirectRoutes, routes=direct, handlers=app.exception_handlers)
     if settings.cors_origins:
