@@ -13,6 +13,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.types import ASGIApp
 
 from app.main import create_app
 from app.settings import Settings
@@ -99,7 +100,12 @@ def random_model(vocab: int, eos_scale: float = 1.0, **overrides: object) -> Tra
 
 
 def start(settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as client:
+    yield from start_app(create_app(settings))
+
+
+def start_app(app: ASGIApp) -> Iterator[TestClient]:
+    """A test client of ``app`` (an app ``create_app`` made, or one wrapping it), once /ready is 200."""
+    with TestClient(app) as client:
         deadline = time.monotonic() + 60
         while client.get("/ready").status_code != 200:
             assert time.monotonic() < deadline, client.get("/ready").json()

@@ -3,7 +3,6 @@ app's own error handling and every middleware around it."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -15,7 +14,7 @@ from app.errors import ApiError
 from app.main import create_app
 from app.middleware import DirectRoutes
 from app.settings import Settings
-from tests.factories import assert_error
+from tests.factories import assert_error, start_app
 
 
 def _app_with_direct(raised: Exception) -> tuple[FastAPI, list[str]]:
@@ -76,11 +75,7 @@ def test_translate_goes_past_the_router_and_keeps_its_middleware(tiny_weights_di
             routed[scope["path"]] = scope.get("route")
 
     body = {"q": "ein haus", "source": "de", "target": "en"}
-    with TestClient(recording) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/ready").status_code != 200:
-            assert time.monotonic() < deadline, client.get("/ready").json()
-            time.sleep(0.05)
+    for client in start_app(recording):
         reply = client.post("/translate", json=body, headers={"x-request-id": "d-1"})
         assert reply.status_code == 200 and isinstance(reply.json()["translatedText"], str)
         assert reply.headers["x-request-id"] == "d-1" and "decode;dur=" in reply.headers["server-timing"]
