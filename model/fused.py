@@ -77,6 +77,18 @@ FEW_ROWS: dict[str, int] = {"avx512": 4, "avx2": 4, "baseline": 0}
 # build (no FMA: not measured faster).
 PANEL_ROWS: dict[str, int] = {"avx512": 256, "avx2": 256, "baseline": 0}
 
+# int8 products of at most this many rows run on the kernels' own int8 product (``pack_int8`` /
+# ``int8_linear``: fbgemm's quantization, each row's activations quantized apart, the weights in
+# panels read by AVX2's vpmaddubsw) instead of fbgemm's dynamic linear, whose call costs ~35-40 us
+# before any arithmetic. Per call [AMD EPYC Zen 3, AVX2, 2 threads], us, fbgemm against ours: one
+# row 768x256 41 / 10, 256x1024 71 / 15, 8000x256 147 / 44; 64 rows 1024x256 206 / 133, 256x1024
+# 182 / 120; 1,024 rows 1024x256 4,350 / 2,160, 256x1024 2,720 / 2,350: ahead at every row count, so
+# the AVX2 build takes them all. The AVX-512 build runs the same AVX2 code, and fbgemm there has
+# VNNI (8-bit activations, one instruction a 4-way product) where the CPU does: not measured, so it
+# keeps the few rows where fbgemm's fixed cost alone is larger (docs/benchmarks.md "An int8 product
+# of our own"). Not in the default build (int8 needs AVX2).
+INT8_ROWS: dict[str, int] = {"avx512": 16, "avx2": 1 << 30, "baseline": 0}
+
 # -fopenmp: at::parallel_for's OpenMP and the `omp simd` loops; -fno-trapping-math: lets the
 # compiler vectorize loops with float comparisons in them (the kernels never read FP exceptions)
 COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
@@ -123,6 +135,19 @@ def few_rows_limit(variant: str | None) -> int:
 def panel_rows_limit(variant: str | None) -> int:
     """The most rows a product on ``variant``'s packed panels takes (``PANEL_ROWS``; 0: none)."""
     return 0 if variant is None else PANEL_ROWS.get(variant, 0)
+
+
+def int8_rows_limit(variant: str | None) -> int:
+    """The most rows an int8 product of ``variant``'s kernels takes (``INT8_ROWS``; 0: none)."""
+    return 0 if variant is None else INT8_ROWS.get(variant, 0)
+
+
+def int8_packable(quantized: torch.Tensor, width: int) -> bool:
+    """Whether the kernels' ``pack_int8`` takes this quantized weight (N, K): int8 on the CPU, N a
+    multiple of the panel ``width`` (``int8_panel_width``), K of 4."""
+    q = quantized
+    return q.device.type == "cpu" and q.dtype == torch.int8 and q.dim() == 2 and q.shape[0] % width == 0 \
+        and q.shape[1] % 4 == 0  # fmt: skip
 
 
 def packable(weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> bool:

@@ -526,6 +526,24 @@ class PackedInt8:
         return _run_int8(x, self.packed, self.reduce_range, relu)
 
 
+def int8_weight(
+    kernel: object, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """An int8 layer's weight as fbgemm quantized it: (N, K) int8, its scale per output channel
+    (N,) float32 and its bias (N,) float32 or None; from ``PackedInt8``'s packed copy, or the one
+    ``Int8Kernel`` packs for ``weight``. None for a layer of another kernel."""
+    if isinstance(kernel, PackedInt8):
+        packed = kernel.packed
+    elif isinstance(kernel, Int8Kernel):
+        packed = _int8_packed.get(weight, bias)
+    else:
+        return None
+    with quantized_engine("fbgemm"):
+        q, b = torch.ops.quantized.linear_unpack(packed)
+    scales = q.q_per_channel_scales().to(torch.float32).contiguous()
+    return q.int_repr().contiguous(), scales, None if b is None else b.detach().to(torch.float32).contiguous()
+
+
 @dataclass(frozen=True, eq=False)
 class PackedOneDNN:
     """One float layer's kernel once its weight is released (``release_float_weights``): oneDNN

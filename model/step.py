@@ -45,7 +45,7 @@ from torch import nn
 from model import fused
 from model.attention import attend
 from model.cache import KVCache
-from model.kernels import BoundLinear, LinearKernel, PackedPanels, bind, reads_float_weight
+from model.kernels import BoundLinear, LinearKernel, PackedPanels, bind, int8_weight, reads_float_weight
 from model.kernels import aten as kernel_aten
 from model.linear import Linear, linear, uses_kernels
 from model.masks import padding_mask
@@ -125,6 +125,7 @@ class _FewRows:
     kernels: ModuleType | None
     limit: int
     panel_limit: int = 0
+    int8_limit: int = 0  # int8 layers: products of at most this many rows on the kernels' ``int8_linear``
 
     def wrap(
         self,
@@ -141,8 +142,10 @@ class _FewRows:
         that kept its float weights; ``checkpoint.load`` gives such layers their panels alone) and
         ``panels`` (not for the output projection: a vocabulary-wide copy, never measured)."""
         kernels = self.kernels
-        if kernels is None or not reads_float_weight(kernel):
+        if kernels is None:
             return bound
+        if not reads_float_weight(kernel):
+            return self._int8(bound, kernel, weight, bias)
         few = self.limit if fused.streamable(weight, bias) else 0
         on_mkl = panels and kernel is kernel_aten
         panel_limit = self.panel_limit if on_mkl and fused.packable(weight, bias, kernels.panel_width()) else 0
@@ -159,6 +162,27 @@ class _FewRows:
                 if not packed:
                     packed.append(kernels.pack_panels(weight))
                 return panel_linear(x, packed[0], b, relu)
+            return bound(x, relu)
+
+        return run
+
+    def _int8(
+        self, bound: BoundLinear, kernel: LinearKernel, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> BoundLinear:
+        """``bound`` for an int8 layer (fbgemm's), its products of up to ``int8_limit`` rows on the
+        kernels' ``int8_linear`` (fbgemm's quantized weight, packed into their panels now; each
+        row's activations quantized apart: docs/benchmarks.md "An int8 product of our own")."""
+        kernels = self.kernels
+        found = int8_weight(kernel, weight, bias) if self.int8_limit > 0 else None
+        if kernels is None or found is None or not fused.int8_packable(found[0], kernels.int8_panel_width()):
+            return bound
+        quantized, scales, b = found
+        panels, colsums = kernels.pack_int8(quantized)
+        product, limit, b = kernels.int8_linear, self.int8_limit, _NO_BIAS if b is None else b
+
+        def run(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+            if x.shape[0] <= limit and x.dtype == torch.float32 and x.is_contiguous():
+                return product(x, panels, colsums, scales, b, relu)
             return bound(x, relu)
 
         return run
@@ -192,7 +216,9 @@ def _few_rows(model: Transformer, kernels: ModuleType | None) -> _FewRows:
     if kernels is None:
         return _FewRows(None, 0)
     variant = model.fused_step
-    return _FewRows(kernels, fused.few_rows_limit(variant), fused.panel_rows_limit(variant))
+    return _FewRows(
+        kernels, fused.few_rows_limit(variant), fused.panel_rows_limit(variant), fused.int8_rows_limit(variant)
+    )
 
 
 def _bind(module: Linear, fast: bool, few: _FewRows) -> BoundLinear:

@@ -258,10 +258,11 @@ def test_small_products_run_on_the_kernels_and_large_ones_on_torch(variant: str)
                     assert torch.equal(got, kernels.bind(layer.kernel, layer.weight, layer.bias)(x, True))
 
 
-def test_int8_layers_keep_their_kernel_at_few_rows() -> None:
-    """An int8 model's step layers and output projection run int8 at every row count: the
-    kernels' float ``linear`` never takes a layer whose kernel is not a float one, even where
-    the float weight is still there (a tied model's embeddings, or weights kept as a reference)."""
+def test_int8_layers_run_int8_at_every_row_count() -> None:
+    """An int8 model's step layers and output projection run int8 at every row count: on the
+    kernels' ``int8_linear`` (fbgemm's quantized weight) up to the variant's ``INT8_ROWS``,
+    fbgemm's beyond; the kernels' float ``linear`` never takes a layer whose kernel is not a float
+    one, even where the float weight is still there (a tied model's embeddings)."""
     try:
         plan = kernels.choose("cpu", "int8")
     except kernels.UnsupportedPrecision as err:
@@ -269,16 +270,107 @@ def test_int8_layers_keep_their_kernel_at_few_rows() -> None:
     model = make_model()
     kernels.install(model, plan, model.step_linears())
     require(model.fused_step is not None, "the fused step kernels do not build here")
+    kernels_module = fused.load(model.fused_step)
+    assert kernels_module is not None
     layer = model.decoder_layers[0].ff.fc1
+    out = model.output_matrix()
+    assert fused.streamable(out, None)  # the float weight is there, and still not used
     with torch.inference_mode():
         step = DecoderStep(model)
-        assert step.few_rows.limit > 0
-        x = torch.randn(1, layer.weight.shape[1])
-        assert torch.equal(step.layers[0].fc1(x, True), kernels.bind(layer.kernel, layer.weight, layer.bias)(x, True))
-        out = model.output_matrix()
-        assert fused.streamable(out, None)  # the float weight is there, and still not used
-        assert torch.equal(step.output(x, False), kernels.bind(model.kernel, out, None)(x, False))
+        limit = step.few_rows.int8_limit
+        assert limit == fused.int8_rows_limit(model.fused_step) > 0
+        assert layer.weight.shape[0] % kernels_module.int8_panel_width() == 0
+        for bound, kernel, weight, bias, relu in [
+            (step.layers[0].fc1, layer.kernel, layer.weight, layer.bias, True),
+            (step.output, model.kernel, out, None, False),
+        ]:
+            found = kernels.int8_weight(kernel, weight, bias)
+            assert found is not None
+            quantized, scales, b = found
+            # (the test vocabulary, 60, is no multiple of the panel width: fbgemm's at every row count)
+            takes = fused.int8_packable(quantized, kernels_module.int8_panel_width())
+            panels, colsums = kernels_module.pack_int8(quantized) if takes else (None, None)
+            fbgemm = kernels.bind(kernel, weight, bias)
+            for rows in sorted({1, 4, 9, min(limit + 1, 40)}):
+                x = torch.randn(rows, weight.shape[1])
+                got = bound(x, relu)
+                if rows <= limit and takes:
+                    assert torch.equal(
+                        got,
+                        kernels_module.int8_linear(
+                            x, panels, colsums, scales, torch.empty(0) if b is None else b, relu
+                        ),
+                    )
+                else:
+                    assert torch.equal(got, fbgemm(x, relu))
+                floats = x @ weight.t() + (0 if bias is None else bias)
+                floats = floats.relu() if relu else floats
+                assert not torch.allclose(got, floats, atol=1e-6, rtol=0)  # quantized, not the float product
+                torch.testing.assert_close(got, floats, atol=0.05 * floats.abs().max().item(), rtol=0)
+                if rows == 1:  # one row: fbgemm's quantization of the tensor is the row's
+                    torch.testing.assert_close(got, fbgemm(x, relu), atol=1e-5, rtol=1e-5)
     assert not kernels.reads_float_weight(layer.kernel) and kernels.reads_float_weight(kernels.aten)
+
+
+def _int8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``int8_linear``'s arithmetic written with tensor operations: each row of x (R, K) quantized
+    to 7-bit codes with a zero point over [min(0, min), max(0, max)], the product summed exactly
+    (int64), scaled back -> (R, N)."""
+    lo, hi = x.amin(1, keepdim=True).clamp(max=0), x.amax(1, keepdim=True).clamp(min=0)
+    s = (hi - lo) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    z = torch.round(-lo / s).clamp(0, 127)
+    codes = (torch.round(x * (1 / s)) + z).clamp(0, 127).to(torch.int64)
+    sums = codes @ q.to(torch.int64).t() - z.to(torch.int64) * q.to(torch.int64).sum(1)
+    out = s * scales * sums.to(torch.float32)
+    return out if bias is None else out + bias
+
+
+@pytest.mark.parametrize("variant", [v for v in RUNNABLE if fused.int8_rows_limit(v) > 0])
+def test_int8_products_quantize_each_row_as_fbgemm_quantizes_a_tensor(variant: str) -> None:
+    """The kernels' int8 product: fbgemm's quantized weight (per output channel) by each row's
+    activations quantized to 7 bits with a zero point of their own, summed exactly; at one row the
+    same as fbgemm's dynamic linear (whose one scale for the tensor is then the row's) to float
+    rounding; each row's result the same bits whatever rows come with it; no 16-bit saturation at
+    the extremes (every weight ±127, every code 127 or 0)."""
+    kernels_module = fused.load(built(variant))
+    assert kernels_module is not None
+    torch.manual_seed(0)
+    for n, k in [(16, 4), (64, 256), (48, 1024), (8000, 32)]:
+        w, b = torch.randn(n, k) / k**0.5, torch.randn(n)
+        quantized, scales, bias = kernels.int8_weight(kernels.Int8Kernel(True), w, b) or pytest.fail("no weight")
+        panels, colsums = kernels_module.pack_int8(quantized)
+        assert torch.equal(colsums, quantized.sum(1).to(torch.int32))
+        for rows in (1, 2, 3, 4, 5, 9, 70):
+            x = torch.randn(rows, k) * 3
+            x[0] = x[0].relu()  # a row without negatives: zero point 0
+            for relu in (False, True):
+                got = kernels_module.int8_linear(x, panels, colsums, scales, bias, relu)
+                want = _int8_reference(x, quantized, scales, bias)
+                torch.testing.assert_close(got, want.relu() if relu else want, atol=1e-4, rtol=1e-5)
+            no_bias = torch.empty(0)
+            alone = kernels_module.int8_linear(x[-1:].clone(), panels, colsums, scales, no_bias, False)
+            assert torch.equal(alone[0], kernels_module.int8_linear(x, panels, colsums, scales, no_bias, False)[-1])
+        one = torch.randn(1, k)
+        with kernels.quantized_engine("fbgemm"):
+            fbgemm = torch.ops.quantized.linear_dynamic(one, kernels._pack_int8(w, b), True)
+        torch.testing.assert_close(kernels_module.int8_linear(one, panels, colsums, scales, bias, False), fbgemm,
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+    extreme = torch.full((32, 256), 127, dtype=torch.int8)
+    extreme[::2] = -127
+    panels, colsums = kernels_module.pack_int8(extreme)
+    x = torch.zeros(2, 256)
+    x[0] = 1.0  # every code 127 (zero point 0)
+    x[1, ::2] = -1.0  # codes 0 and 127 alternating (zero point 64)
+    x[1, 1::2] = 1.0
+    ones = torch.ones(32)
+    got = kernels_module.int8_linear(x, panels, colsums, ones, torch.empty(0), False)
+    torch.testing.assert_close(got, _int8_reference(x, extreme, ones, None), atol=0, rtol=1e-6)
+    assert got[0, 1].item() == pytest.approx(127 * 256, rel=1e-6)  # s = 1 / 127, codes 127, weights 127
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels_module.pack_int8(torch.zeros(24, 32, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="x's K"):
+        kernels_module.int8_linear(torch.randn(2, 64), panels, colsums, ones, torch.empty(0), False)
 
 
 @pytest.mark.parametrize("variant", RUNNABLE)
