@@ -87,7 +87,8 @@ PANEL_ROWS: dict[str, int] = {"avx512": 256, "avx2": 256, "baseline": 0}
 # VNNI (8-bit activations, one instruction a 4-way product) where the CPU does: not measured, so it
 # keeps the few rows where fbgemm's fixed cost alone is larger (docs/benchmarks.md "An int8 product
 # of our own"). Not in the default build (int8 needs AVX2).
-INT8_ROWS: dict[str, int] = {"avx512": 16, "avx2": 1 << 30, "baseline": 0}
+EVERY_ROW_COUNT = 1 << 30
+INT8_ROWS: dict[str, int] = {"avx512": 16, "avx2": EVERY_ROW_COUNT, "baseline": 0}
 
 # -fopenmp: at::parallel_for's OpenMP and the `omp simd` loops; -fno-trapping-math: lets the
 # compiler vectorize loops with float comparisons in them (the kernels never read FP exceptions)

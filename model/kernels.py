@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.fused import buildable, packable, panel_rows_limit
+from model.fused import EVERY_ROW_COUNT, buildable, int8_rows_limit, packable, panel_rows_limit
 from model.fused import enabled as fused_enabled
 from model.fused import load as load_fused
 from model.precision import PRECISIONS, Precision
@@ -193,7 +193,15 @@ class KernelPlan:
         step = f", decoder steps via {self.step_kernel}" if self.step_kernel else ""
         fused = f", fused step kernels ({self.fused})" if self.fused else ""
         kv = f", {str(self.kv_dtype).removeprefix('torch.')} KV cache" if self.kv_dtype is not None else ""
-        return f"{self.precision} on {self.device} via {self.kernel}{step}{fused}{kv} ({self.isa})"
+        return f"{self.precision} on {self.device} via {self.kernel}{step}{fused}{self._int8_rows()}{kv} ({self.isa})"
+
+    def _int8_rows(self) -> str:
+        """Where the decoding passes' int8 products run on the fused kernels' own (``fused.INT8_ROWS``)."""
+        limit = int8_rows_limit(self.fused) if self.precision == "int8" else 0
+        if limit <= 0:
+            return ""
+        rows = "every row count" if limit >= EVERY_ROW_COUNT else f"up to {limit} rows, fbgemm beyond"
+        return f", int8 products on the fused kernels ({rows})"
 
 
 def fused_variant(features: CpuFeatures) -> str:

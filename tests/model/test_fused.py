@@ -56,6 +56,18 @@ def test_plans_with_float32_activations_name_the_kernels(monkeypatch: pytest.Mon
         plan = kernels.choose("cpu", precision, kernels.AVX2_ONLY, engines=["fbgemm"])
         assert plan.fused == "avx2" and "fused step kernels (avx2)" in plan.describe()
         assert kernels.choose("cpu", precision, kernels.AVX2_ONLY, engines=["fbgemm"], fused=False).fused is None
+    # which int8 products the kernels take, by the CPU's features: every row count on AVX2, few on AVX-512
+    int8_rows = {
+        features: kernels.choose("cpu", "int8", features, engines=["fbgemm"]).describe()
+        for features in (kernels.AVX2_ONLY, kernels.AVX512_BF16)
+    }
+    assert "int8 products on the fused kernels (every row count)" in int8_rows[kernels.AVX2_ONLY]
+    assert "int8 products on the fused kernels (up to 16 rows, fbgemm beyond)" in int8_rows[kernels.AVX512_BF16]
+    assert (
+        "int8 products"
+        not in kernels.choose("cpu", "int8", kernels.AVX2_ONLY, engines=["fbgemm"], fused=False).describe()
+    )
+    assert "int8 products" not in kernels.choose("cpu", "float32", kernels.AVX2_ONLY).describe()
     for precision in ("bfloat16", "float16"):
         assert kernels.choose("cpu", precision, kernels.AVX512_BF16).fused is None
     assert kernels.choose("cuda", "float32").fused is None
