@@ -10,6 +10,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -226,10 +227,11 @@ def load(
         kernels.install(model, plan, model.step_linears())
     # the packed copies are all the layers read: one copy of their weights, not two
     panels = kernels.panel_kernels(plan) if model.fused_step is not None else None
+    int8 = kernels.int8_kernels(plan) if model.fused_step is not None else None  # (int8 on the kernels' panels)
     if (plan.kernel in ("fbgemm-int8", "onednn") or panels is not None) and not keep_float_weights:
-        released = kernels.release_float_weights(model, keep=[model.output_matrix()], panels=panels)
+        released = kernels.release_float_weights(model, keep=[model.output_matrix()], panels=panels, int8=int8)
         if panels is None:  # (on panels the output projection keeps its float32 rows: the shortlist's)
-            released += release_output_projection(model)
+            released += release_output_projection(model, int8)
         if released:
             log.info("%s: released %.1f MiB of float weights that packed copies replace", precision, released / 2**20)
     log.info("loaded %s (%d parameters): %s", path, model.num_parameters(), plan.describe())
@@ -358,16 +360,18 @@ def _half_token_tables(model: Transformer) -> int:
     return released
 
 
-def release_output_projection(model: Transformer) -> int:
+def release_output_projection(model: Transformer, int8: ModuleType | None = None) -> int:
     """For inference on packed kernels (after ``kernels.release_float_weights``): the output
     projection runs on a packed copy of its own (``model.kernel``), so its float matrix is read
     by nothing else when untied (released to a placeholder), and only by the token lookups when
     tied to the embeddings. The lookups then keep the embeddings in float16 where that holds
     every value exactly (weights shipped in float16 do), upcast row by row as they are read:
-    the same numbers in half the memory (V x D x 2 bytes, 3.9 MiB for 8,000 x 256).
+    the same numbers in half the memory (V x D x 2 bytes, 3.9 MiB for 8,000 x 256). ``int8``: the
+    fused kernels that take every int8 product (``kernels.int8_kernels``), whose int8 panels then
+    hold an int8 projection instead of fbgemm's packed copy.
     -> bytes released."""
     out = model.output_matrix()
-    packed = kernels.packed_kernel(model.kernel, out, None)
+    packed = kernels.packed_kernel(model.kernel, out, None, int8=int8)
     if packed is None:
         return 0
     model.kernel = packed

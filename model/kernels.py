@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.fused import EVERY_ROW_COUNT, buildable, int8_rows_limit, packable, panel_rows_limit
+from model.fused import EVERY_ROW_COUNT, buildable, int8_packable, int8_rows_limit, packable, panel_rows_limit
 from model.fused import enabled as fused_enabled
 from model.fused import load as load_fused
 from model.precision import PRECISIONS, Precision
@@ -553,6 +553,60 @@ def int8_weight(
 
 
 @dataclass(frozen=True, eq=False)
+class PackedInt8Panels:
+    """One int8 layer's kernel once its float weight is released, where the fused kernels take
+    the int8 products of every row count (``int8_kernels``: AVX2): fbgemm's quantization of the
+    weight (per output channel) packed into the kernels' int8 panels (``pack_int8``), run by their
+    ``int8_linear`` (each row's activations quantized apart), its own bias added in the same pass;
+    the model keeps this copy alone, not fbgemm's beside it. The ``weight`` and ``bias`` it is
+    called with are placeholders and are not read."""
+
+    panels: torch.Tensor  # (out / 16, in / 4, 16, 4) int8
+    colsums: torch.Tensor  # (out,) int32
+    scales: torch.Tensor  # (out,) float32
+    bias: torch.Tensor  # (out,) float32, or empty: none
+    product: Callable[..., torch.Tensor]  # the kernels' ``int8_linear``
+    out_features: int
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False
+    ) -> torch.Tensor:
+        """x: (..., in) -> (..., out)."""
+        return self.run(x.reshape(-1, x.shape[-1]), relu).view(*x.shape[:-1], self.out_features)
+
+    def run(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        """x: (R, in) -> (R, out) in x's dtype (computed from float32, as fbgemm's ``_run_int8``)."""
+        ready = x.dtype == torch.float32 and x.is_contiguous()
+        out = self.product(
+            x if ready else x.float().contiguous(), self.panels, self.colsums, self.scales, self.bias, relu
+        )
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def int8_kernels(plan: KernelPlan) -> ModuleType | None:
+    """The fused kernels whose int8 panels replace fbgemm's packed weights in an int8 plan: where
+    they take the int8 products of every row count (``fused.INT8_ROWS``); None for every other plan
+    (fbgemm's copy stays, and the decoding passes pack the kernels' own for the rows they take)."""
+    if plan.device != "cpu" or plan.precision != "int8" or plan.fused is None:
+        return None
+    return load_fused(plan.fused) if int8_rows_limit(plan.fused) >= EVERY_ROW_COUNT else None
+
+
+def _int8_panels(fbgemm: object, reduce_range: bool, fused: ModuleType) -> PackedInt8Panels | None:
+    """fbgemm's packed weight as the fused kernels' int8 panels (None where ``pack_int8`` cannot
+    take its shape: fbgemm's then stays)."""
+    found = int8_weight(PackedInt8(fbgemm, reduce_range), torch.empty(0), None)
+    assert found is not None
+    quantized, scales, bias = found
+    if not int8_packable(quantized, fused.int8_panel_width()):
+        return None
+    panels, colsums = fused.pack_int8(quantized)
+    no_bias = scales.new_empty(0)
+    return PackedInt8Panels(panels, colsums, scales, no_bias if bias is None else bias, fused.int8_linear,
+                            quantized.shape[0])  # fmt: skip
+
+
+@dataclass(frozen=True, eq=False)
 class PackedOneDNN:
     """One float layer's kernel once its weight is released (``release_float_weights``): oneDNN
     on the packed copy (out, in) and its own bias, at every row count (more than
@@ -612,9 +666,15 @@ def panel_kernels(plan: KernelPlan) -> ModuleType | None:
     return load_fused(plan.fused) if panel_rows_limit(plan.fused) > 0 else None
 
 
-def release_float_weights(model: nn.Module, keep: Iterable[torch.Tensor] = (), panels: ModuleType | None = None) -> int:
+def release_float_weights(
+    model: nn.Module,
+    keep: Iterable[torch.Tensor] = (),
+    panels: ModuleType | None = None,
+    int8: ModuleType | None = None,
+) -> int:
     """For inference: every layer whose kernel is ``Int8Kernel`` gets its weight packed now into a
-    ``PackedInt8`` kernel, and its float weight and bias are replaced by placeholders on the meta
+    ``PackedInt8`` kernel (``PackedInt8Panels`` with ``int8``, the fused kernels that take every
+    int8 product: ``int8_kernels``), and its float weight and bias are replaced by placeholders on the meta
     device (same shapes, no memory); every float32 layer on ``onednn`` likewise gets a
     ``PackedOneDNN`` kernel and a placeholder weight (its small bias stays, the kernel adds it),
     and with ``panels`` (the fused kernels: ``panel_kernels``) every float32 layer on ``aten`` (a
@@ -632,11 +692,13 @@ def release_float_weights(model: nn.Module, keep: Iterable[torch.Tensor] = (), p
         if not isinstance(weight, nn.Parameter) or id(weight) in kept:
             continue
         bias = getattr(module, "bias", None)
-        packed = packed_kernel(kernel, weight, bias, panels)
+        packed = packed_kernel(kernel, weight, bias, panels, int8)
         if packed is None:
             continue
         setattr(module, "kernel", packed)  # noqa: B010 (see install)
-        names: tuple[str, ...] = ("weight", "bias") if isinstance(packed, PackedInt8) else ("weight",)
+        names: tuple[str, ...] = (
+            ("weight", "bias") if isinstance(packed, PackedInt8 | PackedInt8Panels) else ("weight",)
+        )
         for name in names:
             tensor = getattr(module, name)
             if tensor is not None:
@@ -646,16 +708,23 @@ def release_float_weights(model: nn.Module, keep: Iterable[torch.Tensor] = (), p
 
 
 def packed_kernel(
-    kernel: object, weight: torch.Tensor, bias: torch.Tensor | None, panels: ModuleType | None = None
-) -> PackedInt8 | PackedOneDNN | PackedPanels | None:
+    kernel: object,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    panels: ModuleType | None = None,
+    int8: ModuleType | None = None,
+) -> PackedInt8 | PackedInt8Panels | PackedOneDNN | PackedPanels | None:
     """The kernel that runs a layer of ``kernel`` from a packed copy of ``weight`` (and ``bias``)
-    alone, without reading them again: ``PackedInt8`` for ``Int8Kernel``, ``PackedOneDNN`` for
+    alone, without reading them again: ``PackedInt8`` for ``Int8Kernel`` (``PackedInt8Panels``
+    given the fused kernels that take its products, ``int8``: ``int8_kernels``), ``PackedOneDNN`` for
     float32 on ``onednn``, ``PackedPanels`` for float32 on ``aten`` given the fused kernels
     (``panels``) and a weight they can pack; None where the layer has no such kernel (it keeps
     reading its weight)."""
     b = None if bias is None else bias.detach()
     if isinstance(kernel, Int8Kernel):
-        return PackedInt8(_pack_int8(weight.detach(), b), kernel.reduce_range)
+        fbgemm = _pack_int8(weight.detach(), b)
+        ours = None if int8 is None else _int8_panels(fbgemm, kernel.reduce_range, int8)
+        return PackedInt8(fbgemm, kernel.reduce_range) if ours is None else ours
     if kernel is onednn and weight.dtype == torch.float32:
         return PackedOneDNN(_pack_onednn(weight.detach()), b)
     if panels is not None and kernel is aten and packable(weight, bias, panels.panel_width()):
@@ -674,7 +743,7 @@ def reads_float_weight(kernel: object) -> bool:
 
 def is_packed(kernel: object) -> bool:
     """Whether ``kernel`` runs from its own packed copy (the weight it is called with is a placeholder)."""
-    return isinstance(kernel, PackedInt8 | PackedOneDNN | PackedPanels)
+    return isinstance(kernel, PackedInt8 | PackedInt8Panels | PackedOneDNN | PackedPanels)
 
 
 def int8(reduce_range: bool) -> LinearKernel:
@@ -733,7 +802,7 @@ def bind(kernel: LinearKernel, weight: torch.Tensor, bias: torch.Tensor | None) 
             return _run_int8(x, int8_packed, reduce_range, relu)
 
         return run_int8
-    if isinstance(kernel, PackedOneDNN | PackedPanels):
+    if isinstance(kernel, PackedOneDNN | PackedPanels | PackedInt8Panels):
         return kernel.run
     if kernel is onednn:
         packed = _onednn_weight(weight)

@@ -485,7 +485,8 @@ def test_load_installs_the_plan_and_refuses_before_reading(tiny_weights_dir: Pat
 
 @pytest.mark.skipif(not _runnable("int8"), reason="int8 needs AVX2 and fbgemm")
 def test_int8_load_keeps_one_copy_of_the_weights_and_decodes_as_before(tiny_weights_dir: Path) -> None:
-    """An int8 checkpoint holds its linear layers as packed int8 only (float weights released,
+    """An int8 checkpoint holds its linear layers as packed int8 only (fbgemm's or the fused kernels'
+    panels; float weights released,
     the embeddings the output projection shares kept); it translates exactly as the same plan
     with the float weights still there, and refuses to run a released layer outside inference."""
     from model.decoding import DecodingOptions
@@ -494,7 +495,13 @@ def test_int8_load_keeps_one_copy_of_the_weights_and_decodes_as_before(tiny_weig
     folder = tiny_weights_dir / "de-en"
     ckpt = checkpoint.load(folder, "cpu", "int8")
     layers = [m for m in ckpt.model.modules() if isinstance(m, Linear)]
-    assert layers and all(isinstance(m.kernel, kernels.PackedInt8) and m.weight.is_meta for m in layers)
+    # the one copy: the fused kernels' int8 panels where they take every int8 product (AVX2), else fbgemm's
+    packed = kernels.PackedInt8 if kernels.int8_kernels(ckpt.plan) is None else kernels.PackedInt8Panels
+    assert layers and all(isinstance(m.kernel, packed) and m.weight.is_meta for m in layers)
+    # the output projection: fbgemm's where the vocabulary (here 1,000) is no multiple of the panels' 16
+    width = 16 if packed is kernels.PackedInt8Panels else 1
+    out_packed = packed if ckpt.model.output_matrix().shape[0] % width == 0 else kernels.PackedInt8
+    assert isinstance(ckpt.model.kernel, out_packed)
     embedding = ckpt.model.output_matrix()
     assert not embedding.is_meta and embedding.untyped_storage().nbytes() == embedding.numel() * 4
     float_bytes = sum(p.numel() * p.element_size() for p in ckpt.model.parameters() if not p.is_meta)
@@ -540,3 +547,43 @@ def test_releasing_float_weights_keeps_what_is_read_elsewhere(tied: bool, precis
     biased = [m for m in layers if m.bias is not None]
     assert [m.bias.is_meta for m in biased] == [bias_released and m.weight.is_meta for m in biased]
     assert released == sum(4 * (m.weight.numel() + bias_released * m.bias.numel()) for m in layers if m.weight.is_meta)
+
+
+@pytest.mark.skipif(not _runnable("int8"), reason="int8 needs AVX2 and fbgemm")
+def test_int8_layers_released_onto_the_fused_kernels_panels_run_them_everywhere() -> None:
+    """Given the fused kernels that take every int8 product (``int8_kernels``: AVX2), released int8
+    layers keep those kernels' int8 panels alone (``PackedInt8Panels``, fbgemm's quantized weight),
+    and the modules' own path (the teacher-forced pass ``/attention`` runs) computes with them what
+    the decoding passes compute: the same as fbgemm to within int8's error, on 3-d inputs as well."""
+    from model.config import ModelConfig
+    from model.transformer import Transformer
+
+    plan = kernels.choose("cpu", "int8")
+    fused_int8 = kernels.int8_kernels(plan)
+    if fused_int8 is None:
+        pytest.skip(f"{plan.describe()}: the fused kernels do not take every int8 product here")
+    torch.manual_seed(5)
+    cfg = ModelConfig(src_vocab_size=64, tgt_vocab_size=64, d_model=32, n_heads=2, encoder_layers=1,
+                      decoder_layers=1, d_ff=64)  # fmt: skip
+    model = kernels.install(Transformer(cfg).eval(), plan)
+    src, tgt = torch.randint(4, 64, (3, 7)), torch.randint(4, 64, (3, 5))
+    with torch.inference_mode():
+        fbgemm = model(src, tgt)
+        exact = kernels.install(Transformer(cfg).eval(), kernels.choose("cpu", "float32"))
+        exact.load_state_dict(model.state_dict())
+        floats = exact(src, tgt)
+        released = kernels.release_float_weights(model, keep=[model.output_matrix()], int8=fused_int8)
+        ours = model(src, tgt)
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert layers and all(isinstance(m.kernel, kernels.PackedInt8Panels) and m.weight.is_meta for m in layers)
+    assert released == sum(4 * (m.weight.numel() + m.bias.numel()) for m in layers)
+    assert ours.shape == fbgemm.shape and not torch.equal(ours, fbgemm)  # each row quantized apart
+    scale = floats.abs().max().item()
+    for result in (ours, fbgemm):
+        assert (result - floats).abs().max().item() < 0.1 * scale
+    layer = layers[0]
+    x = torch.randn(2, 3, layer.in_features)
+    with torch.inference_mode():
+        three_d = layer(x)
+        assert torch.equal(three_d.reshape(6, -1), layer.kernel.run(x.reshape(6, -1)))
+        assert torch.equal(layer(x.double()), three_d.double())  # computed from float32, in the input's dtype
