@@ -15,6 +15,8 @@ CPU flags. ``choose`` maps (device, precision, CPU features) to a ``KernelPlan``
 | bfloat16 | less | ``aten`` | works, slowly; logged once at load |
 | float16 | any | ``aten`` | torch has no fast fp16 CPU GEMM (several times slower than fp32); logged |
 | int8 | AVX2 and fbgemm | ``fbgemm-int8`` | weights int8 per output channel, activations quantized per call |
+| int8 + fused kernels | AVX2 build | theirs, all rows | fbgemm's weights; ~4x fbgemm at 1 row, 1.2-2x at 64+ |
+| int8 + fused kernels | AVX-512 build | theirs to 16 rows | fbgemm's VNNI beyond: not measured against |
 | int8 | no AVX2 | refused | fbgemm needs AVX2; ``UnsupportedPrecision`` names the setting |
 
 On CUDA every precision but int8 uses ``F.linear`` (cuBLAS); int8 there is refused.
@@ -22,7 +24,9 @@ On CUDA every precision but int8 uses ``F.linear`` (cuBLAS); int8 there is refus
 Between its matrix products the decoder step runs the fused kernels of ``model.fused`` where the
 plan names them (``KernelPlan.fused``: CPU plans with float32 activations, i.e. float32 and int8),
 built for AVX-512, AVX2 + FMA or the compiler's default instructions (``fused_variant``). On int8
-plans those kernels keep the decoder's K/V cache in float16 where the CPU converts with F16C
+plans they run the int8 products too (``fused.INT8_ROWS``: fbgemm's quantized weight in panels of
+their own, ``PackedInt8Panels`` where they take every row count, so the model keeps that copy
+alone), and keep the decoder's K/V cache in float16 where the CPU converts with F16C
 (``KernelPlan.kv_dtype``, ``kv_cache_dtype``): half the cache's memory; float32 keeps float32.
 
 Features come from /proc/cpuinfo (the hardware, which is what torch's own checks read),

@@ -20,7 +20,8 @@ step at one sentence: docs/benchmarks.md "The fused step"), and so are the matri
 most a few rows (``_FewRows``: the weights streamed with a prefetch, ~12% less a sentence at beam
 4: "Small-row matrix products"), and of up to a few hundred on weights packed into panels (where a
 loaded checkpoint's layers do not run on their panels alone already: ``kernels.PackedPanels``,
-"Packed panels"); larger products stay the bound kernels'. The encoder's
+"Packed panels"); larger products stay the bound kernels'. On int8 plans the int8 products run
+on the kernels' own int8 product ("An int8 product of our own"). The encoder's
 attention and joins, and the joining sentences' cross-attention K/V, take them too. The same
 results to float rounding (tests/model/test_fused.py).
 
@@ -120,7 +121,10 @@ class _FewRows:
     ``panel_limit`` rows on a copy of the weight packed into panels (``panel_linear``, packed at
     the layer's first such call; faster than MKL from 5 rows to a few hundred: "Packed panels");
     more rows, or a weight they cannot read (packed int8 or oneDNN weights, a float16 table), on
-    the bound kernel."""
+    the bound kernel. An int8 layer of fbgemm's takes the kernels' own int8 product
+    (``int8_linear``) up to ``int8_limit`` rows (``fused.INT8_ROWS``), on its quantized weight
+    packed for them; one of the kernels' int8 panels already (``kernels.PackedInt8Panels``) is bound
+    to them as it is."""
 
     kernels: ModuleType | None
     limit: int
