@@ -4,8 +4,9 @@
 
 One JSON line per (layer shape, rows): microseconds per call of ``aten`` (``F.linear``),
 ``wx`` (MKL as W·xᵀ), ``onednn`` (packed weights; its one-row fallback off, to show what it
-replaces), ``panels`` (the fused kernels' ``panel_linear`` on weights packed into panels) and
-``fbgemm-int8``, where this CPU can run them (``model.kernels.choose``). The shapes are the
+replaces), ``panels`` (the fused kernels' ``panel_linear`` on weights packed into panels),
+``fbgemm-int8`` and ``int8-panels`` (the fused kernels' ``int8_linear`` on fbgemm's quantized
+weights: ``kernels.PackedInt8Panels``), where this CPU can run them (``model.kernels.choose``). The shapes are the
 decoder's: fused QKV (768 x 256), attention output (256 x 256), feed-forward (1024 x 256,
 256 x 1024) and the tied output projection (8000 x 256). ``isa`` names the kernel path the
 CPU features (and the ISA caps in the environment) select.
@@ -69,6 +70,30 @@ def panels_kernel() -> kernels.LinearKernel | None:
     return panels
 
 
+def int8_panels_kernel() -> kernels.LinearKernel | None:
+    """The fused kernels' int8 product (``int8_linear``) as a ``LinearKernel``: each weight
+    quantized by fbgemm and packed into their int8 panels once, as ``kernels.PackedInt8Panels``
+    holds it; where this CPU's variant builds and runs int8 products (``fused.INT8_ROWS``); else None."""
+    variant = kernels.fused_variant(kernels.detected())
+    module = fused.load(variant) if fused.int8_rows_limit(variant) > 0 else None
+    if module is None:
+        return None
+
+    def pack(w: torch.Tensor, b: torch.Tensor | None) -> kernels.PackedInt8Panels:
+        packed = kernels._int8_panels(kernels._pack_int8(w, b), True, module)
+        assert packed is not None, "the shapes are multiples of the panels' width"
+        return packed
+
+    cache = kernels._Packed(pack)
+
+    def int8_panels(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
+        packed = cache.get(w, b)
+        assert isinstance(packed, kernels.PackedInt8Panels)
+        return packed.run(x, relu)
+
+    return int8_panels
+
+
 def runnable_kernels() -> dict[str, kernels.LinearKernel]:
     """Every float32 kernel this CPU runs (and int8's, with AVX2), by name."""
     found: dict[str, kernels.LinearKernel] = {"aten": kernels.aten, "wx": kernels.wx}
@@ -79,6 +104,9 @@ def runnable_kernels() -> dict[str, kernels.LinearKernel]:
         found["panels"] = panels
     with contextlib.suppress(kernels.UnsupportedPrecision):  # no AVX2: no int8 row
         found["fbgemm-int8"] = kernels.kernel_for(kernels.choose("cpu", "int8"))
+        int8_panels = int8_panels_kernel()
+        if int8_panels is not None:
+            found["int8-panels"] = int8_panels
     return found
 
 

@@ -15,13 +15,15 @@ from tests.helpers import ROOT
 
 def runnable() -> set[str]:
     """The kernels this CPU runs: F.linear and W·xᵀ everywhere; with AVX2 oneDNN (where torch has
-    it), fbgemm's int8 and, with FMA, the fused kernels' panels (where they build: a failure in CI)."""
+    it), fbgemm's int8 and, with FMA, the fused kernels' panels and int8 product (where they build: a failure
+    in CI)."""
     names = {"aten", "wx"}
     if kernels.detected().avx2:
         names |= {"fbgemm-int8"} | ({"onednn"} if torch.backends.mkldnn.is_available() else set())
         if kernels.detected().fma:
             require(fused.load(kernels.fused_variant(kernels.detected())) is not None, "the fused kernels do not build")
             names.add("panels")
+            names.add("int8-panels")
     return names
 
 
