@@ -1464,7 +1464,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_product", &panel_product, unlocked, "x w^T on packed panels, the first `columns` columns only");
   m.def("int8_panel_width", &int8_panel_width, "outputs a panel of pack_int8 holds");
   m.def("pack_int8", &pack_int8, "an int8 weight (N, K) as int8_linear reads it, and its column sums");
-  m.def("int8_linear", &int8_linear, "an int8 linear layer for a few rows, activations quantized per row");
+  m.def("int8_linear", &int8_linear, unlocked, "an int8 linear layer, activations quantized per row");
   m.def("decoder_layers", &decoder_layers, unlocked, "a post-LN decoder step through every layer on packed panels");
   m.def("encoder_layers", &encoder_layers, unlocked, "a post-LN encoder through every layer on packed panels");
   m.def("encoder_attend_ragged", &encoder_attend_ragged, "the encoder's self-attention over unpadded sentences");

@@ -890,7 +890,7 @@ def test_the_encoder_on_panels_alone_computes_no_padding(variant: str, monkeypat
 
 
 def test_the_long_kernels_let_other_python_threads_run() -> None:
-    """``panel_linear`` and ``encoder_layers`` (and ``decoder_layers``, declared alike) let go of
+    """``panel_linear``, ``int8_linear`` and ``encoder_layers`` (and ``decoder_layers``, declared alike) let go of
     Python's lock while they compute: a Python thread beside them keeps running (the server's
     event loop, while a batch decodes), where it would stand still for the whole call. The
     switch interval is raised so that only a released lock lets it run."""
@@ -905,8 +905,10 @@ def test_the_long_kernels_let_other_python_threads_run() -> None:
     layer = [*packed(3 * d, d), *packed(d, d), *packed(f, d), *packed(d, f)]
     layer += [torch.ones(d), torch.zeros(d), torch.ones(d), torch.zeros(d)]
     x, mask = torch.randn(rows, d), torch.ones(rows // 32, 32, dtype=torch.bool)
+    int8_panels, colsums = module.pack_int8(torch.randint(-127, 128, (f, d), dtype=torch.int8))
     calls = {
         "panel_linear": lambda: module.panel_linear(x, layer[4], layer[5], True),
+        "int8_linear": lambda: module.int8_linear(x, int8_panels, colsums, torch.ones(f), torch.empty(0), True),
         "encoder_layers": lambda: module.encoder_layers(x.clone(), layer * 2, mask, 4, 0.125, 1e-5),
     }
     ticks, stop = [0], threading.Event()
