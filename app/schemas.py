@@ -204,6 +204,10 @@ class DirectionInfo(BaseModel):
         description="the fused decoder-step kernels running (model.fused: avx512, avx2 or baseline build); "
         "null where they are off (TRANSLATOR_FUSED_STEP=off), do not apply, or could not be built"
     )
+    int8_products: str | None = Field(
+        description="int8: what computes the matrix products in decoding: the fused kernels' own int8 product "
+        "(every row count on AVX2, a few rows on AVX-512, model.fused INT8_ROWS) or fbgemm's; null for other dtypes"
+    )
     kv_cache: str = Field(
         description="the dtype the decoder's K/V cache is stored in: float16 under int8 where the fused kernels "
         "convert with F16C (half the memory), else the activations' (float32 on the CPU)"

@@ -375,6 +375,7 @@ class TranslationService:
             "step_kernel": self.plan.step,
             "cpu_isa": self.plan.isa if self.device.type == "cpu" else None,
             "fused_step": self.translator.model.fused_step,
+            "int8_products": kernels.int8_products(self.precision, self.translator.model.fused_step),
             "kv_cache": str(self.translator.model.kv_dtype or step_dtype(self.translator.model)).removeprefix("torch."),
             "max_source_tokens": self.translator.max_source_tokens,
             "recommended_decoding": checkpoint.recommended_decoding(self.meta, self.direction),

@@ -201,11 +201,24 @@ class KernelPlan:
 
     def _int8_rows(self) -> str:
         """Where the decoding passes' int8 products run on the fused kernels' own (``fused.INT8_ROWS``)."""
-        limit = int8_rows_limit(self.fused) if self.precision == "int8" else 0
-        if limit <= 0:
-            return ""
-        rows = "every row count" if limit >= EVERY_ROW_COUNT else f"up to {limit} rows, fbgemm beyond"
-        return f", int8 products on the fused kernels ({rows})"
+        where = int8_products(self.precision, self.fused)
+        return f", int8 products on the {where}" if where is not None and where != "fbgemm" else ""
+
+
+def int8_products(precision: str, fused_step: str | None) -> str | None:
+    """What computes an int8 model's matrix products in decoding, given the fused kernels it runs
+    (``Transformer.fused_step``; None: none): "fused kernels (every row count)", "fused kernels (up
+    to N rows, fbgemm beyond)" (``fused.INT8_ROWS``) or "fbgemm"; None for another precision."""
+    if precision != "int8":
+        return None
+    limit = int8_rows_limit(fused_step)
+    if limit <= 0:
+        return "fbgemm"
+    return (
+        "fused kernels ("
+        + ("every row count" if limit >= EVERY_ROW_COUNT else f"up to {limit} rows, fbgemm beyond")
+        + ")"
+    )
 
 
 def fused_variant(features: CpuFeatures) -> str:

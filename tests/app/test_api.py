@@ -184,6 +184,7 @@ def test_metadata_endpoints(client: TestClient) -> None:
     assert (direction["kernel"], direction["step_kernel"], direction["cpu_isa"]) == (plan.kernel, plan.step, plan.isa)
     assert direction["fused_step"] == (plan.fused if fused.load(plan.fused) is not None else None)
     assert direction["kv_cache"] == "float32"  # float32 keeps its cache in float32
+    assert direction["int8_products"] is None  # (float32)
     assert info["limits"]["max_items"] == 4
     assert client.get("/docs").status_code == 200
     assert "/translate" in client.get("/openapi.json").json()["paths"]

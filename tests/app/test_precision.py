@@ -36,6 +36,11 @@ def test_int8_is_served_and_reported(shipped: Path) -> None:
         # the K/V cache in float16 where the fused kernels run and convert with F16C (kernels.kv_cache_dtype)
         half = kernels.choose("cpu", "int8").kv_dtype is not None and all(i["fused_step"] for i in infos)
         assert {i["kv_cache"] for i in infos} == {"float16" if half else "float32"}
+        # the products on the fused kernels' own int8 product where they run (every row count on AVX2)
+        expected_products = {kernels.int8_products("int8", i["fused_step"]) for i in infos}
+        assert {i["int8_products"] for i in infos} == expected_products
+        if all(i["fused_step"] == "avx2" for i in infos):
+            assert expected_products == {"fused kernels (every row count)"}
         plan = assign_directions(discover(shipped.parent))  # the many-to-many model serves eight of them
         # int8 scores the whole vocabulary, shortlist shipped or not (its own output projection is faster)
         vocabulary = {f"{s}-{t}": "full" for pairs in plan.values() for s, t in pairs or []}

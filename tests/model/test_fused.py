@@ -68,6 +68,10 @@ def test_plans_with_float32_activations_name_the_kernels(monkeypatch: pytest.Mon
         not in kernels.choose("cpu", "int8", kernels.AVX2_ONLY, engines=["fbgemm"], fused=False).describe()
     )
     assert "int8 products" not in kernels.choose("cpu", "float32", kernels.AVX2_ONLY).describe()
+    assert kernels.int8_products("int8", "avx2") == "fused kernels (every row count)"
+    assert kernels.int8_products("int8", "avx512") == "fused kernels (up to 16 rows, fbgemm beyond)"
+    assert kernels.int8_products("int8", None) == kernels.int8_products("int8", "baseline") == "fbgemm"
+    assert kernels.int8_products("float32", "avx2") is None
     for precision in ("bfloat16", "float16"):
         assert kernels.choose("cpu", precision, kernels.AVX512_BF16).fused is None
     assert kernels.choose("cuda", "float32").fused is None
