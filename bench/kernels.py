@@ -80,7 +80,7 @@ def int8_panels_kernel() -> kernels.LinearKernel | None:
         return None
 
     def pack(w: torch.Tensor, b: torch.Tensor | None) -> kernels.PackedInt8Panels:
-        packed = kernels._int8_panels(kernels._pack_int8(w, b), True, module)
+        packed = kernels.int8_panels(kernels.Int8Kernel(True), w, b, module)
         assert packed is not None, "the shapes are multiples of the panels' width"
         return packed
 

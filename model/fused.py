@@ -147,8 +147,10 @@ def int8_packable(quantized: torch.Tensor, width: int) -> bool:
     """Whether the kernels' ``pack_int8`` takes this quantized weight (N, K): int8 on the CPU, N a
     multiple of the panel ``width`` (``int8_panel_width``), K of 4."""
     q = quantized
-    return q.device.type == "cpu" and q.dtype == torch.int8 and q.dim() == 2 and q.shape[0] % width == 0 \
-        and q.shape[1] % 4 == 0  # fmt: skip
+    return (
+        q.device.type == "cpu" and q.dtype == torch.int8 and q.dim() == 2 and q.shape[0] % width == 0
+        and q.shape[1] % 4 == 0
+    )  # fmt: skip
 
 
 def packable(weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> bool:

@@ -609,18 +609,19 @@ def int8_kernels(plan: KernelPlan) -> ModuleType | None:
     return load_fused(plan.fused) if int8_rows_limit(plan.fused) >= EVERY_ROW_COUNT else None
 
 
-def _int8_panels(fbgemm: object, reduce_range: bool, fused: ModuleType) -> PackedInt8Panels | None:
-    """fbgemm's packed weight as the fused kernels' int8 panels (None where ``pack_int8`` cannot
-    take its shape: fbgemm's then stays)."""
-    found = int8_weight(PackedInt8(fbgemm, reduce_range), torch.empty(0), None)
-    assert found is not None
-    quantized, scales, bias = found
-    if not int8_packable(quantized, fused.int8_panel_width()):
+def int8_panels(
+    kernel: object, weight: torch.Tensor, bias: torch.Tensor | None, fused: ModuleType
+) -> PackedInt8Panels | None:
+    """An int8 layer of fbgemm's (``Int8Kernel``, ``PackedInt8``) as the fused kernels' int8 panels:
+    its quantized weight (``int8_weight``) packed by their ``pack_int8``; None for a layer of another
+    kernel, or a shape ``pack_int8`` cannot take (fbgemm's then stays)."""
+    found = int8_weight(kernel, weight, bias)
+    if found is None or not int8_packable(found[0], fused.int8_panel_width()):
         return None
+    quantized, scales, b = found
     panels, colsums = fused.pack_int8(quantized)
     no_bias = scales.new_empty(0)
-    return PackedInt8Panels(panels, colsums, scales, no_bias if bias is None else bias, fused.int8_linear,
-                            quantized.shape[0])  # fmt: skip
+    return PackedInt8Panels(panels, colsums, scales, no_bias if b is None else b, fused.int8_linear, quantized.shape[0])
 
 
 @dataclass(frozen=True, eq=False)
@@ -739,9 +740,9 @@ def packed_kernel(
     reading its weight)."""
     b = None if bias is None else bias.detach()
     if isinstance(kernel, Int8Kernel):
-        fbgemm = _pack_int8(weight.detach(), b)
-        ours = None if int8 is None else _int8_panels(fbgemm, kernel.reduce_range, int8)
-        return PackedInt8(fbgemm, kernel.reduce_range) if ours is None else ours
+        fbgemm = PackedInt8(_pack_int8(weight.detach(), b), kernel.reduce_range)
+        ours = None if int8 is None else int8_panels(fbgemm, weight, b, int8)
+        return fbgemm if ours is None else ours
     if kernel is onednn and weight.dtype == torch.float32:
         return PackedOneDNN(_pack_onednn(weight.detach()), b)
     if panels is not None and kernel is aten and packable(weight, bias, panels.panel_width()):

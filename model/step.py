@@ -46,7 +46,7 @@ from torch import nn
 from model import fused
 from model.attention import attend
 from model.cache import KVCache
-from model.kernels import BoundLinear, LinearKernel, PackedPanels, bind, int8_weight, reads_float_weight
+from model.kernels import BoundLinear, LinearKernel, PackedPanels, bind, int8_panels, reads_float_weight
 from model.kernels import aten as kernel_aten
 from model.linear import Linear, linear, uses_kernels
 from model.masks import padding_mask
@@ -177,16 +177,14 @@ class _FewRows:
         kernels' ``int8_linear`` (fbgemm's quantized weight, packed into their panels now; each
         row's activations quantized apart: docs/benchmarks.md "An int8 product of our own")."""
         kernels = self.kernels
-        found = int8_weight(kernel, weight, bias) if self.int8_limit > 0 else None
-        if kernels is None or found is None or not fused.int8_packable(found[0], kernels.int8_panel_width()):
+        ours = int8_panels(kernel, weight, bias, kernels) if self.int8_limit > 0 and kernels is not None else None
+        if ours is None:
             return bound
-        quantized, scales, b = found
-        panels, colsums = kernels.pack_int8(quantized)
-        product, limit, b = kernels.int8_linear, self.int8_limit, _NO_BIAS if b is None else b
+        limit = self.int8_limit
 
         def run(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
             if x.shape[0] <= limit and x.dtype == torch.float32 and x.is_contiguous():
-                return product(x, panels, colsums, scales, b, relu)
+                return ours.run(x, relu)
             return bound(x, relu)
 
         return run
