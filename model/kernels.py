@@ -569,8 +569,25 @@ def int8_weight(
     return q.int_repr().contiguous(), scales, None if b is None else b.detach().to(torch.float32).contiguous()
 
 
+class _OnRows:
+    """A packed kernel called as a ``LinearKernel``: inputs of any leading dimensions, flattened
+    to the rows its ``run`` takes (R, in) -> (R, out_features); the ``weight`` and ``bias`` it is
+    called with are placeholders and are not read."""
+
+    out_features: int
+
+    def run(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False
+    ) -> torch.Tensor:
+        """x: (..., in) -> (..., out)."""
+        return self.run(x.reshape(-1, x.shape[-1]), relu).view(*x.shape[:-1], self.out_features)
+
+
 @dataclass(frozen=True, eq=False)
-class PackedInt8Panels:
+class PackedInt8Panels(_OnRows):
     """One int8 layer's kernel once its float weight is released, where the fused kernels take
     the int8 products of every row count (``int8_kernels``: AVX2): fbgemm's quantization of the
     weight (per output channel) packed into the kernels' int8 panels (``pack_int8``), run by their
@@ -584,12 +601,6 @@ class PackedInt8Panels:
     bias: torch.Tensor  # (out,) float32, or empty: none
     product: Callable[..., torch.Tensor]  # the kernels' ``int8_linear``
     out_features: int
-
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False
-    ) -> torch.Tensor:
-        """x: (..., in) -> (..., out)."""
-        return self.run(x.reshape(-1, x.shape[-1]), relu).view(*x.shape[:-1], self.out_features)
 
     def run(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
         """x: (R, in) -> (R, out) in x's dtype (computed from float32, as fbgemm's ``_run_int8``)."""
@@ -648,7 +659,7 @@ class PackedOneDNN:
 
 
 @dataclass(frozen=True, eq=False)
-class PackedPanels:
+class PackedPanels(_OnRows):
     """One float32 layer's kernel once its weight is released (``release_float_weights`` with
     the fused kernels): the fused kernels' product on the weight packed into panels
     (``panel_linear``) at every row count, its own bias added in the same pass; the ``weight`` and
@@ -661,12 +672,6 @@ class PackedPanels:
     bias: torch.Tensor  # (out,), or empty: none
     product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]  # ``panel_linear``
     out_features: int
-
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool = False
-    ) -> torch.Tensor:
-        """x: (..., in) -> (..., out)."""
-        return self.run(x.reshape(-1, x.shape[-1]), relu).view(*x.shape[:-1], self.out_features)
 
     def run(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
         """x: (R, in) float32 -> (R, out) (another dtype is refused, as ``F.linear`` does)."""
