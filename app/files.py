@@ -12,9 +12,9 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -121,7 +121,8 @@ class RedisFileStore:
 
     async def get(self, name: str) -> StoredFile | None:
         try:
-            found = await self.redis.hgetall(self.PREFIX + name)
+            # (redis' stubs type hgetall for its sync and async clients at once)
+            found = await cast(Awaitable[dict[bytes, bytes]], self.redis.hgetall(self.PREFIX + name))
             ttl_ms = await self.redis.pttl(self.PREFIX + name) if found else -1
         except RedisError as err:
             raise FileStoreError(f"file storage unavailable: {type(err).__name__}") from None
