@@ -39,7 +39,7 @@ COPY model model
 # without the dev extras; pip check fails the build on a broken set.
 RUN "$VIRTUAL_ENV/bin/pip" install ".[plot]" \
     && "$VIRTUAL_ENV/bin/pip" check
-# The fused decoder-step kernels (model/fused.py) compiled here, every x86 variant (AVX-512, AVX2,
+# The fused decoder-step kernels (model/fused.py) compiled here, every x86 variant (AVX-512 VNNI, AVX-512, AVX2,
 # baseline: the runtime picks by the CPU's features), into the venv, so the runtime needs no
 # compiler: without them float32 decodes on tensor operations instead of the packed panels.
 # (-P: the installed package, not the source tree in this folder.)

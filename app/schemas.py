@@ -201,12 +201,13 @@ class DirectionInfo(BaseModel):
     )
     cpu_isa: str | None = Field(description="the CPU instruction set the kernels use (null on a GPU)")
     fused_step: str | None = Field(
-        description="the fused decoder-step kernels running (model.fused: avx512, avx2 or baseline build); "
+        description="the fused decoder-step kernels running (model.fused: avx512vnni, avx512, avx2 or baseline build); "
         "null where they are off (TRANSLATOR_FUSED_STEP=off), do not apply, or could not be built"
     )
     int8_products: str | None = Field(
         description="int8: what computes the matrix products in decoding: the fused kernels' own int8 product "
-        "(every row count on AVX2, a few rows on AVX-512, model.fused INT8_ROWS) or fbgemm's; null for other dtypes"
+        "(every row count on AVX2 and AVX-512 VNNI, a few rows on AVX-512 without VNNI, model.fused INT8_ROWS) "
+        "or fbgemm's; null for other dtypes"
     )
     kv_cache: str = Field(
         description="the dtype the decoder's K/V cache is stored in: float16 under int8 where the fused kernels "

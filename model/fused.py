@@ -17,9 +17,9 @@ otherwise, with the same results to float rounding (tests/model/test_fused.py, a
 tests/model/test_decoding.py on both paths).
 
 The variant is part of the kernel plan (``kernels.choose`` -> ``KernelPlan.fused``): compiled
-for AVX-512, AVX2 + FMA or the compiler's default instructions, from the CPU's reported features
-and the ISA caps, like every other kernel choice; cached under a name that carries a hash of the
-source. Building needs a C++ compiler (torch's ``cpp_extension``: g++, and ninja, a dependency):
+for AVX-512 with VNNI, AVX-512, AVX2 + FMA or the compiler's default instructions, from the CPU's
+reported features and the ISA caps, like every other kernel choice; cached under a name that
+carries a hash of the source. Building needs a C++ compiler (torch's ``cpp_extension``: g++, and ninja, a dependency):
 ~20-60 s once per variant and source version (55 s for AVX2 on a 2-core AMD EPYC Zen 3). A build
 already in the cache is imported as it is, without the compiler: ``python -m model.fused --build``
 compiles every variant ahead of time (the Docker image does, into ``TORCH_EXTENSIONS_DIR``, so its
@@ -51,10 +51,11 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "step_kernels.cpp"
 ENV = "TRANSLATOR_FUSED_STEP"
 
-Variant = Literal["avx512", "avx2", "baseline"]
+Variant = Literal["avx512vnni", "avx512", "avx2", "baseline"]
 
 # What each variant is compiled with (its name is part of the extension's, so each is cached apart).
 FLAGS: dict[str, list[str]] = {
+    "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "baseline": [],
@@ -65,7 +66,7 @@ FLAGS: dict[str, list[str]] = {
 # rows, level at 6-8; AVX2 build 352 / 376 against 467 / 497 at 2 / 4 rows, 359 against 368 at one,
 # 487 against 469 at 3 (one run each, within this host's noise), worse from 6; the default build
 # (SSE, no FMA) slower than MKL from 4 rows (docs/benchmarks.md "Small-row matrix products").
-FEW_ROWS: dict[str, int] = {"avx512": 4, "avx2": 4, "baseline": 0}
+FEW_ROWS: dict[str, int] = {"avx512vnni": 4, "avx512": 4, "avx2": 4, "baseline": 0}
 # Products of more rows than that, up to this many, run on a copy of the weight packed into panels
 # (``pack_panels`` / ``panel_linear``: the broadcast form, outputs held in registers across the
 # whole reduction), where a layer keeps its float weight; a checkpoint loaded for inference on a
@@ -75,20 +76,25 @@ FEW_ROWS: dict[str, int] = {"avx512": 4, "avx2": 4, "baseline": 0}
 # 1,197 / 1,079, 256 rows 4,607 / 3,743; AVX2 build (capped to AVX2) 8 rows 551 / 340, 64 rows
 # 1,755 / 1,524, 256 rows 5,974 / 5,609 (docs/benchmarks.md "Packed panels"). Not in the default
 # build (no FMA: not measured faster).
-PANEL_ROWS: dict[str, int] = {"avx512": 256, "avx2": 256, "baseline": 0}
+PANEL_ROWS: dict[str, int] = {"avx512vnni": 256, "avx512": 256, "avx2": 256, "baseline": 0}
 
 # int8 products of at most this many rows run on the kernels' own int8 product (``pack_int8`` /
 # ``int8_linear``: fbgemm's quantization, each row's activations quantized apart, the weights in
-# panels read by AVX2's vpmaddubsw) instead of fbgemm's dynamic linear, whose call costs ~35-40 us
-# before any arithmetic. Per call [AMD EPYC Zen 3, AVX2, 2 threads], us, fbgemm against ours: one
-# row 768x256 41 / 10, 256x1024 71 / 15, 8000x256 147 / 44; 64 rows 1024x256 206 / 133, 256x1024
-# 182 / 120; 1,024 rows 1024x256 4,350 / 2,160, 256x1024 2,720 / 2,350: ahead at every row count, so
-# the AVX2 build takes them all. The AVX-512 build runs the same AVX2 code, and fbgemm there has
-# VNNI (8-bit activations, one instruction a 4-way product) where the CPU does: not measured, so it
-# keeps the few rows where fbgemm's fixed cost alone is larger (docs/benchmarks.md "An int8 product
-# of our own"). Not in the default build (int8 needs AVX2).
+# panels read by AVX2's vpmaddubsw, or by AVX-512 VNNI's vpdpbusd in the avx512vnni build: the same
+# exact int32 sums) instead of fbgemm's dynamic linear, whose call costs ~35-40 us before any
+# arithmetic. Per call [AMD EPYC Zen 3, AVX2, 2 threads], us, fbgemm against ours: one row 768x256
+# 41 / 10, 256x1024 71 / 15, 8000x256 147 / 44; 64 rows 1024x256 206 / 133, 256x1024 182 / 120;
+# 1,024 rows 1024x256 4,350 / 2,160, 256x1024 2,720 / 2,350: ahead at every row count, so the AVX2
+# build takes them all. On a CPU with AVX-512 VNNI fbgemm has it too, and the AVX2 code fell behind
+# it from 4-16 rows [AMD EPYC Zen 5, 2 threads]: 16 rows 256x1024 33 / 61, 8000x256 99 / 186; 1,024
+# rows 768x256 443 / 1,183. On vpdpbusd: 16 rows 40 / 21, 100 / 76; 1,024 rows 768x256 1,738 / 475,
+# 8000x256 16,215 / 4,490; behind only at 256x1024 from 256 rows (184 / 198, 626 / 671); decoding
+# int8 1.0-1.4x the AVX2 code's (docs/benchmarks.md "int8 on AVX-512 VNNI"): that build takes every
+# row count. The AVX-512 build without VNNI runs the AVX2 code and keeps the few rows where fbgemm's
+# fixed cost alone is larger (fbgemm's AVX-512 path beyond them was not measured against: no such
+# CPU was lent). Not in the default build (int8 needs AVX2).
 EVERY_ROW_COUNT = 1 << 30
-INT8_ROWS: dict[str, int] = {"avx512": 16, "avx2": EVERY_ROW_COUNT, "baseline": 0}
+INT8_ROWS: dict[str, int] = {"avx512vnni": EVERY_ROW_COUNT, "avx512": 16, "avx2": EVERY_ROW_COUNT, "baseline": 0}
 
 # -fopenmp: at::parallel_for's OpenMP and the `omp simd` loops; -fno-trapping-math: lets the
 # compiler vectorize loops with float comparisons in them (the kernels never read FP exceptions)
@@ -311,6 +317,7 @@ def _compile(variant: str) -> Path:
 
 
 # the variants a CPU of each torch capability runs (torch.backends.cpu.get_cpu_capability())
+# (and avx512vnni where the CPU reports AVX-512 VNNI, which torch's capability does not say)
 _RUNS_ON = {"AVX512": ("avx512", "avx2", "baseline"), "AVX2": ("avx2", "baseline")}
 
 
@@ -332,7 +339,11 @@ def main(argv: list[str] | None = None) -> None:
             library = _compile(variant)
         except Exception as err:  # the compiler's message is in the log above
             sys.exit(f"fused decoder-step kernels did not build: {variant} ({str(err).strip()[:300]})")
-        runs_here = variant in _RUNS_ON.get(torch.backends.cpu.get_cpu_capability(), ("baseline",))
+        from model.kernels import detected  # (model.kernels imports this module)
+
+        runs_here = variant in _RUNS_ON.get(torch.backends.cpu.get_cpu_capability(), ("baseline",)) or (
+            variant == "avx512vnni" and detected().avx512_vnni
+        )
         if runs_here and _import_prebuilt(variant) is None:
             sys.exit(f"fused decoder-step kernels did not load: {variant}")
         seconds, note = time.perf_counter() - start, "" if runs_here else " (not run here)"

@@ -16,14 +16,16 @@ CPU flags. ``choose`` maps (device, precision, CPU features) to a ``KernelPlan``
 | float16 | any | ``aten`` | torch has no fast fp16 CPU GEMM (several times slower than fp32); logged |
 | int8 | AVX2 and fbgemm | ``fbgemm-int8`` | weights int8 per output channel, activations quantized per call |
 | int8 + fused kernels | AVX2 build | theirs, all rows | fbgemm's weights; ~4x fbgemm at 1 row, 1.2-2x at 64+ |
-| int8 + fused kernels | AVX-512 build | theirs to 16 rows | fbgemm's VNNI beyond: not measured against |
+| int8 + fused kernels | AVX-512 VNNI build | theirs, all rows | vpdpbusd; 1.2-1.4x the AVX2 code's decoding (Zen 5) |
+| int8 + fused kernels | AVX-512 build, no VNNI | theirs to 16 rows | fbgemm's AVX-512 beyond: not measured against |
 | int8 | no AVX2 | refused | fbgemm needs AVX2; ``UnsupportedPrecision`` names the setting |
 
 On CUDA every precision but int8 uses ``F.linear`` (cuBLAS); int8 there is refused.
 
 Between its matrix products the decoder step runs the fused kernels of ``model.fused`` where the
 plan names them (``KernelPlan.fused``: CPU plans with float32 activations, i.e. float32 and int8),
-built for AVX-512, AVX2 + FMA or the compiler's default instructions (``fused_variant``). On int8
+built for AVX-512 with VNNI, AVX-512, AVX2 + FMA or the compiler's default instructions
+(``fused_variant``). On int8
 plans they run the int8 products too (``fused.INT8_ROWS``: fbgemm's quantized weight in panels of
 their own, ``PackedInt8Panels`` where they take every row count, so the model keeps that copy
 alone), and keep the decoder's K/V cache in float16 where the CPU converts with F16C
@@ -158,6 +160,7 @@ class CpuFeatures:
 
 
 AVX512_BF16 = CpuFeatures(True, True, True, True, False, True, f16c=True)  # e.g. AMD Zen 4/5
+AVX512_NO_VNNI = CpuFeatures(True, True, True, f16c=True)  # AVX-512 without VNNI or BF16: e.g. Intel Skylake-SP
 AVX2_ONLY = CpuFeatures(avx2=True, fma=True, f16c=True)  # e.g. AMD EPYC Naples (Zen 1), Intel Haswell
 BASELINE = CpuFeatures()  # no AVX2: old x86, or another architecture
 
@@ -222,10 +225,10 @@ def int8_products(precision: str, fused_step: str | None) -> str | None:
 
 
 def fused_variant(features: CpuFeatures) -> str:
-    """The build of the fused decoder-step kernels (``model.fused``) this CPU runs: AVX-512,
-    AVX2 + FMA, or the compiler's default instructions."""
+    """The build of the fused decoder-step kernels (``model.fused``) this CPU runs: AVX-512 with
+    VNNI (its int8 products on vpdpbusd), AVX-512, AVX2 + FMA, or the compiler's default instructions."""
     if features.avx512 and features.fma:
-        return "avx512"
+        return "avx512vnni" if features.avx512_vnni else "avx512"
     return "avx2" if features.avx2 and features.fma else "baseline"
 
 
@@ -260,7 +263,7 @@ def kv_cache_dtype(precision: str, variant: str, features: CpuFeatures) -> torch
     products are int8 already; the cache, the largest part of a batch's working memory, then
     takes half of it: docs/benchmarks.md "A float16 KV cache for int8"). float32 stays float32
     throughout; the baseline build would convert one element at a time."""
-    if precision == "int8" and variant in ("avx2", "avx512") and features.f16c:
+    if precision == "int8" and variant in ("avx2", "avx512", "avx512vnni") and features.f16c:
         return torch.float16
     return None
 

@@ -129,7 +129,7 @@ def test_image_runs_the_fused_kernels_built_by_the_builder(installed: Installed,
     cache = Path(installed.env["TORCH_EXTENSIONS_DIR"])
     assert cache.is_relative_to(Path(installed.env["VIRTUAL_ENV"])), "the kernels travel with the venv"
     built = sorted(library.name.split("_")[2] for library in cache.glob("*/translator_step_*.so"))
-    assert built == ["avx2", "avx512", "baseline"], built
+    assert built == ["avx2", "avx512", "avx512vnni", "baseline"], built
     direction = httpx.get(f"{image_server}/info", timeout=10).json()["directions"][0]
     assert direction["fused_step"] == kernels.fused_variant(kernels.detected()), direction
 

@@ -29,7 +29,12 @@ from tests.model.test_decoding import sources
 
 HERE = kernels.detected()
 # every variant this CPU can run: its own and the narrower ones
-RUNNABLE = sorted({kernels.fused_variant(f) for f in (HERE, HERE & kernels.AVX2_ONLY, kernels.BASELINE)})
+RUNNABLE = sorted(
+    {
+        kernels.fused_variant(f)
+        for f in (HERE, HERE & kernels.AVX512_NO_VNNI, HERE & kernels.AVX2_ONLY, kernels.BASELINE)
+    }
+)
 EVERY = torch.empty(0, dtype=torch.long)  # the kernels' row maps: every row, in order
 
 
@@ -40,7 +45,8 @@ def built(variant: str) -> str:
 
 
 def test_the_variant_follows_the_cpu_features_and_the_isa_caps() -> None:
-    assert kernels.fused_variant(kernels.AVX512_BF16) == "avx512"
+    assert kernels.fused_variant(kernels.AVX512_BF16) == "avx512vnni"
+    assert kernels.fused_variant(kernels.AVX512_NO_VNNI) == "avx512"
     assert kernels.fused_variant(kernels.AVX2_ONLY) == "avx2"
     assert kernels.fused_variant(replace(kernels.AVX2_ONLY, fma=False)) == "baseline"
     assert kernels.fused_variant(kernels.BASELINE) == "baseline"
@@ -56,13 +62,21 @@ def test_plans_with_float32_activations_name_the_kernels(monkeypatch: pytest.Mon
         plan = kernels.choose("cpu", precision, kernels.AVX2_ONLY, engines=["fbgemm"])
         assert plan.fused == "avx2" and "fused step kernels (avx2)" in plan.describe()
         assert kernels.choose("cpu", precision, kernels.AVX2_ONLY, engines=["fbgemm"], fused=False).fused is None
-    # which int8 products the kernels take, by the CPU's features: every row count on AVX2, few on AVX-512
+    # which int8 products the kernels take, by the CPU's features: every row count on AVX2 and on
+    # AVX-512 with VNNI, few on AVX-512 without it
     int8_rows = {
         features: kernels.choose("cpu", "int8", features, engines=["fbgemm"]).describe()
-        for features in (kernels.AVX2_ONLY, kernels.AVX512_BF16)
+        for features in (kernels.AVX2_ONLY, kernels.AVX512_BF16, kernels.AVX512_NO_VNNI)
     }
     assert "int8 products on the fused kernels (every row count)" in int8_rows[kernels.AVX2_ONLY]
-    assert "int8 products on the fused kernels (up to 16 rows, fbgemm beyond)" in int8_rows[kernels.AVX512_BF16]
+    assert (
+        "fused step kernels (avx512vnni), int8 products on the fused kernels (every row count)"
+        in int8_rows[kernels.AVX512_BF16]
+    )
+    assert (
+        "fused step kernels (avx512), int8 products on the fused kernels (up to 16 rows, fbgemm beyond)"
+        in int8_rows[kernels.AVX512_NO_VNNI]
+    )
     assert (
         "int8 products"
         not in kernels.choose("cpu", "int8", kernels.AVX2_ONLY, engines=["fbgemm"], fused=False).describe()
@@ -70,6 +84,7 @@ def test_plans_with_float32_activations_name_the_kernels(monkeypatch: pytest.Mon
     assert "int8 products" not in kernels.choose("cpu", "float32", kernels.AVX2_ONLY).describe()
     assert kernels.int8_products("int8", "avx2") == "fused kernels (every row count)"
     assert kernels.int8_products("int8", "avx512") == "fused kernels (up to 16 rows, fbgemm beyond)"
+    assert kernels.int8_products("int8", "avx512vnni") == "fused kernels (every row count)"
     assert kernels.int8_products("int8", None) == kernels.int8_products("int8", "baseline") == "fbgemm"
     assert kernels.int8_products("float32", "avx2") is None
     for precision in ("bfloat16", "float16"):
@@ -216,7 +231,7 @@ def test_few_row_products_follow_the_variant_and_the_weights() -> None:
     """Which products run on the kernels' ``linear``: up to 4 rows on the AVX-512 and AVX2
     builds, none on the default build (slower than MKL there); only weights it can read as they
     are (float32 with storage, contiguous, K a multiple of 16)."""
-    assert [fused.few_rows_limit(v) for v in ("avx512", "avx2", "baseline", None)] == [4, 4, 0, 0]
+    assert [fused.few_rows_limit(v) for v in ("avx512vnni", "avx512", "avx2", "baseline", None)] == [4, 4, 4, 0, 0]
     w = torch.randn(32, 64)
     assert fused.streamable(w, None) and fused.streamable(w, torch.zeros(32))
     assert not fused.streamable(w.half(), None)
@@ -224,7 +239,13 @@ def test_few_row_products_follow_the_variant_and_the_weights() -> None:
     assert not fused.streamable(w.t(), None)
     assert not fused.streamable(torch.randn(32, 24), None)
     assert not fused.streamable(w, torch.zeros(31))
-    assert [fused.panel_rows_limit(v) for v in ("avx512", "avx2", "baseline", None)] == [256, 256, 0, 0]
+    assert [fused.panel_rows_limit(v) for v in ("avx512vnni", "avx512", "avx2", "baseline", None)] == [
+        256,
+        256,
+        256,
+        0,
+        0,
+    ]
     assert fused.packable(w, None, 32) and fused.packable(w, torch.zeros(32), 16)
     assert fused.packable(torch.randn(32, 24), None, 32)  # any K
     assert not fused.packable(torch.randn(48, 64), None, 32)  # N not whole panels
@@ -323,8 +344,10 @@ def test_int8_layers_run_int8_at_every_row_count() -> None:
                 floats = floats.relu() if relu else floats
                 assert not torch.allclose(got, floats, atol=1e-6, rtol=0)  # quantized, not the float product
                 torch.testing.assert_close(got, floats, atol=0.05 * floats.abs().max().item(), rtol=0)
-                if rows == 1:  # one row: fbgemm's quantization of the tensor is the row's
-                    torch.testing.assert_close(got, fbgemm(x, relu), atol=1e-5, rtol=1e-5)
+                if rows == 1 and takes:  # one row: fbgemm's quantization of the tensor, to 7 bits, is the row's
+                    # (7 bits: fbgemm's reduce_range, which the plan turns off where the CPU has VNNI)
+                    seven_bits = kernels.bind(kernels.Int8Kernel(True), weight, bias)
+                    torch.testing.assert_close(got, seven_bits(x, relu), atol=1e-5, rtol=1e-5)
     assert not kernels.reads_float_weight(layer.kernel) and kernels.reads_float_weight(kernels.aten)
 
 
@@ -387,6 +410,26 @@ def test_int8_products_quantize_each_row_as_fbgemm_quantizes_a_tensor(variant: s
         kernels_module.pack_int8(torch.zeros(24, 32, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="x's K"):
         kernels_module.int8_linear(torch.randn(2, 64), panels, colsums, ones, torch.empty(0), False)
+
+
+def test_int8_products_give_the_same_bits_in_every_build_that_takes_them() -> None:
+    """The AVX-512 VNNI build's int8 product (vpdpbusd, 8 rows a block) and the AVX2 code of the
+    other builds (vpmaddubsw, 4 rows a block) sum the same codes exactly: the same bits out, for
+    every row count, so an int8 model translates alike on every CPU."""
+    variants = [v for v in RUNNABLE if fused.int8_rows_limit(v) > 0]
+    if len(variants) < 2:
+        pytest.skip(f"one build with int8 products runs here ({', '.join(variants) or 'none'})")
+    modules = [fused.load(built(v)) for v in variants]
+    torch.manual_seed(1)
+    for n, k in [(16, 4), (768, 256), (256, 1024)]:
+        w, b = torch.randn(n, k) / k**0.5, torch.randn(n)
+        quantized, scales, bias = kernels.int8_weight(kernels.Int8Kernel(True), w, b) or pytest.fail("no weight")
+        for rows in (1, 3, 4, 7, 8, 9, 16, 70):
+            x = torch.randn(rows, k) * 2
+            outs = [m.int8_linear(x, *m.pack_int8(quantized), scales, bias, True) for m in modules if m is not None]
+            assert len(outs) == len(variants)
+            for variant, out in zip(variants[1:], outs[1:], strict=True):
+                assert torch.equal(out, outs[0]), (variant, variants[0], n, k, rows)
 
 
 @pytest.mark.parametrize("variant", RUNNABLE)
