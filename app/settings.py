@@ -50,10 +50,10 @@ class Settings(BaseSettings):
         True,
         description="float32 and int8 on the CPU: run the decoder step's attention, layer norms and beam bookkeeping, "
         "and (float32) every layer but the output projection, and a shortlist's logits, on weights packed into "
-        "panels (a pass's layers in one call), and (int8) the int8 products (every one on AVX2, a few rows on "
-        "AVX-512), on the fused C++ kernels (model/fused.py; built once per CPU "
-        "variant with the system's C++ compiler, ~20-60 s, cached): about half the time a sentence one at a time; "
-        "false, or no compiler: torch's tensor operations, float32 layers on oneDNN (MKL on Intel CPUs)",
+        "panels (a pass's layers in one call), and (int8) the int8 products (every one on AVX2 and on "
+        "AVX-512 with VNNI, a few rows on AVX-512 without it), on the fused C++ kernels (model/fused.py; built "
+        "once per CPU variant with the system's C++ compiler, ~20-60 s, cached): about half the time a sentence "
+        "one at a time; false, or no compiler: torch's tensor operations, float32 layers on oneDNN (MKL on Intel CPUs)",
     )
     malloc: MallocChoice = Field(
         "auto",
