@@ -54,10 +54,12 @@ ENV = "TRANSLATOR_FUSED_STEP"
 Variant = Literal["avx512vnni", "avx512", "avx2", "baseline"]
 
 # What each variant is compiled with (its name is part of the extension's, so each is cached apart).
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 FLAGS: dict[str, list[str]] = {
-    "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
-    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512vnni": [*_AVX512, "-mavx512vnni"],
+    "avx512": _AVX512,
+    "avx2": _AVX2,
     "baseline": [],
 }
 # Products of at most this many rows run on the kernels' own ``linear`` (the weights streamed with
@@ -316,11 +318,6 @@ def _compile(variant: str) -> Path:
     return directory / f"{name}.so"
 
 
-# the variants a CPU of each torch capability runs (torch.backends.cpu.get_cpu_capability())
-# (and avx512vnni where the CPU reports AVX-512 VNNI, which torch's capability does not say)
-_RUNS_ON = {"AVX512": ("avx512", "avx2", "baseline"), "AVX2": ("avx2", "baseline")}
-
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m model.fused --build [VARIANT ...]``: compile the kernels ahead of time into
     torch's extension cache (``TORCH_EXTENSIONS_DIR``), every variant by default (each in a
@@ -339,11 +336,9 @@ def main(argv: list[str] | None = None) -> None:
             library = _compile(variant)
         except Exception as err:  # the compiler's message is in the log above
             sys.exit(f"fused decoder-step kernels did not build: {variant} ({str(err).strip()[:300]})")
-        from model.kernels import detected  # (model.kernels imports this module)
+        from model.kernels import CpuFeatures, runnable_variants  # (model.kernels imports this module)
 
-        runs_here = variant in _RUNS_ON.get(torch.backends.cpu.get_cpu_capability(), ("baseline",)) or (
-            variant == "avx512vnni" and detected().avx512_vnni
-        )
+        runs_here = variant in runnable_variants(CpuFeatures.detect(env={}))  # the hardware's, not capped
         if runs_here and _import_prebuilt(variant) is None:
             sys.exit(f"fused decoder-step kernels did not load: {variant}")
         seconds, note = time.perf_counter() - start, "" if runs_here else " (not run here)"

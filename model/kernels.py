@@ -232,6 +232,13 @@ def fused_variant(features: CpuFeatures) -> str:
     return "avx2" if features.avx2 and features.fma else "baseline"
 
 
+def runnable_variants(features: CpuFeatures) -> list[str]:
+    """Every build of the fused kernels a CPU with ``features`` runs: its own (``fused_variant``)
+    and the narrower ones, sorted."""
+    narrower = (features, features & AVX512_NO_VNNI, features & AVX2_ONLY, BASELINE)
+    return sorted({fused_variant(f) for f in narrower})
+
+
 def choose(
     device: str | torch.device,
     precision: str,

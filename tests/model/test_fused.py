@@ -29,12 +29,7 @@ from tests.model.test_decoding import sources
 
 HERE = kernels.detected()
 # every variant this CPU can run: its own and the narrower ones
-RUNNABLE = sorted(
-    {
-        kernels.fused_variant(f)
-        for f in (HERE, HERE & kernels.AVX512_NO_VNNI, HERE & kernels.AVX2_ONLY, kernels.BASELINE)
-    }
-)
+RUNNABLE = kernels.runnable_variants(HERE)
 EVERY = torch.empty(0, dtype=torch.long)  # the kernels' row maps: every row, in order
 
 
@@ -52,6 +47,10 @@ def test_the_variant_follows_the_cpu_features_and_the_isa_caps() -> None:
     assert kernels.fused_variant(kernels.BASELINE) == "baseline"
     capped = kernels.AVX512_BF16.capped({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
     assert kernels.fused_variant(capped) == "avx2"
+    assert kernels.runnable_variants(kernels.AVX512_BF16) == ["avx2", "avx512", "avx512vnni", "baseline"]
+    assert kernels.runnable_variants(kernels.AVX512_NO_VNNI) == ["avx2", "avx512", "baseline"]
+    assert kernels.runnable_variants(kernels.AVX2_ONLY) == ["avx2", "baseline"]
+    assert kernels.runnable_variants(kernels.BASELINE) == ["baseline"]
 
 
 def test_plans_with_float32_activations_name_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
