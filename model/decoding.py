@@ -302,7 +302,7 @@ class DecodeSession:
         model, cfg, rows = self.model, self.model.config, self._rows
         encoder, decoder = self._bound()
         memory, mask = encoder(src)  # (B, S, D), (B, 1, 1, S)
-        cross_kv = decoder.project_memory(memory)
+        cross_kv = decoder.project_memory(memory, mask)  # the tokens alone
         src_lengths = mask.sum(dim=(1, 2, 3)).tolist()
         limit = max_steps(src_lengths, self.options, cfg.max_tokens)
         if self._cache is None:  # one row per sentence, widened to K by the first step

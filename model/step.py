@@ -359,17 +359,32 @@ class DecoderStep:
             cached = self._memory = (memory_mask, additive_mask(memory_mask, self.heads, dtype))
         return cached[1]
 
-    def project_memory(self, memory: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def project_memory(
+        self, memory: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """memory (B, S, D) -> every layer's cross-attention K, V, each (B, H, S, Dh) and
         contiguous: ``Transformer.project_memory`` on the bound kernels, one copy a layer; in
         float16 where the model's cache is (``half_cache``: the self-attention cache follows
-        their dtype, ``LayerCache``)."""
+        their dtype, ``LayerCache``). With the memory's ``mask`` (B, 1, 1, S) and the fused
+        kernels, only the sentences' tokens are projected and K, V are zeros at the padded
+        positions, which the mask hides: sentences join a running batch in groups padded to
+        their longest, as ``EncoderPass._unpadded`` says, and these products were the
+        admissions' largest cost after the encoder (docs/benchmarks.md "Marian on the Zen 5, and
+        serving against offline measured again")."""
         b, s, d = memory.shape
         flat = memory.reshape(b * s, d)
+        tokens = None  # (T,) the tokens' places in (B, S) order, where there is padding
+        if mask is not None and self.fused is not None:
+            places = mask.reshape(-1).nonzero()[:, 0]
+            if places.numel() < b * s:
+                tokens, flat = places, flat.index_select(0, places)
         projected = []
         for kv in self.cross_kv:
             if self.fused is not None:  # one call instead of a view, a permute, a copy and two selects
-                k, v = self.fused.split_kv(kv(flat, False), b, self.heads, self.half_cache)
+                both = kv(flat, False)  # (T or B*S, 2 * D)
+                if tokens is not None:
+                    both = both.new_zeros(b * s, both.shape[1]).index_copy_(0, tokens, both)
+                k, v = self.fused.split_kv(both, b, self.heads, self.half_cache)
                 projected.append((k, v))
                 continue
             both = kv(flat, False).view(b, s, 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).contiguous()

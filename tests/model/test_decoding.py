@@ -441,3 +441,29 @@ def test_the_step_projects_the_memory_as_the_modules_do(inference: bool) -> None
         assert k.is_contiguous() and v.is_contiguous() and k.shape == ek.shape == (3, 4, 7, 8)
         torch.testing.assert_close(k, ek, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(v, ev, atol=1e-6, rtol=1e-6)
+
+
+def test_the_step_projects_only_the_tokens_of_a_padded_memory(step_kernels: str | None) -> None:
+    """With the memory's mask, the fused step projects the sentences' tokens alone: K, V equal
+    the modules' at every token and are zeros at the padding (which the mask hides); on tensor
+    operations the step projects every position, as the modules do."""
+    model = make_model(seed=9)
+    lengths = [7, 3, 5]
+    mask = (torch.arange(7)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]  # (3, 1, 1, 7)
+    memory = torch.randn(3, 7, model.config.d_model)  # not zeros at the padding: they must not be projected
+    with torch.inference_mode():
+        step = DecoderStep(model)
+        assert (step.fused is not None) == (step_kernels is not None)
+        expected = model.project_memory(memory)
+        got = step.project_memory(memory, mask)
+    hidden = ~mask[:, 0, 0]  # (3, 7)
+    for (k, v), (ek, ev) in zip(got, expected, strict=True):
+        assert k.is_contiguous() and v.is_contiguous() and k.shape == ek.shape == (3, 4, 7, 8)
+        for got_t, expected_t in ((k, ek), (v, ev)):
+            seen = mask[:, 0, 0][:, None, :, None]  # (3, 1, 7, 1) over (B, H, S, Dh)
+            torch.testing.assert_close(got_t * seen, expected_t * seen, atol=1e-6, rtol=1e-6)
+            padding = got_t.permute(0, 2, 1, 3)[hidden]  # (padded positions, H, Dh)
+            if step_kernels is None:
+                torch.testing.assert_close(padding, expected_t.permute(0, 2, 1, 3)[hidden], atol=1e-6, rtol=1e-6)
+            else:
+                assert padding.abs().max() == 0
