@@ -457,10 +457,10 @@ def test_the_step_projects_only_the_tokens_of_a_padded_memory(step_kernels: str 
         expected = model.project_memory(memory)
         got = step.project_memory(memory, mask)
     hidden = ~mask[:, 0, 0]  # (3, 7)
+    seen = mask[:, 0, 0][:, None, :, None]  # (3, 1, 7, 1) over (B, H, S, Dh)
     for (k, v), (ek, ev) in zip(got, expected, strict=True):
         assert k.is_contiguous() and v.is_contiguous() and k.shape == ek.shape == (3, 4, 7, 8)
         for got_t, expected_t in ((k, ek), (v, ev)):
-            seen = mask[:, 0, 0][:, None, :, None]  # (3, 1, 7, 1) over (B, H, S, Dh)
             torch.testing.assert_close(got_t * seen, expected_t * seen, atol=1e-6, rtol=1e-6)
             padding = got_t.permute(0, 2, 1, 3)[hidden]  # (padded positions, H, Dh)
             if step_kernels is None:
