@@ -9,6 +9,10 @@ that join, all in one copy: the valid part is gathered straight into a spare buf
 it back: docs/benchmarks.md "Numbers behind the code"), and the buffer it came from becomes the
 spare. The buffers of every layer's keys and values are the same size and are reordered one
 after the other, so one ``Spare`` serves them all: 2L + 1 buffers for L layers, not a twin each.
+On the fused kernels the copy is left to the next step (``defer``): each layer's self-attention
+kernel copies a head's history right before it reads it, so the cache passes through the memory
+system once a step, not once for the copy and again for the attention (2L + 2 buffers then: a
+layer's keys and values are copied together).
 
 ``CrossAttentionCache`` holds the projections of the encoder memory: computed once per
 sentence when it joins and stored once per *sentence*: the ``width`` consecutive rows of a
@@ -49,23 +53,52 @@ def _buffer(like: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 class Spare:
-    """The one spare flat buffer that the self-attention buffers of a cache reorder into in
-    turn: each gather takes it and hands back the buffer it gathered from."""
+    """The spare flat buffers that the self-attention buffers of a cache reorder into in turn:
+    each gather takes one and hands back the buffer it gathered from (one spare in all). A
+    reorder left to the step (``SelfAttentionCache.reorder``'s ``defer``) takes two before it hands
+    back its own, since its keys and values are copied together (2L + 2 buffers for L layers),
+    and is registered here: the deferred copies of a cache's layers form a chain (each layer's
+    targets are the buffers the layer before it reads from), so they run in layer order
+    (``settle``)."""
 
     def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._deferred: list[SelfAttentionCache] = []  # layers with a copy left to the step, in order
+
+    @property
+    def held(self) -> list[torch.Tensor]:
+        """The spare buffers now."""
+        return list(self._buffers)
 
     def take(self, like: torch.Tensor, needed: int, extra: int) -> torch.Tensor:
-        """A flat buffer of at least ``needed`` elements (the spare, or a new one of ``needed +
+        """A flat buffer of at least ``needed`` elements (a spare, or a new one of ``needed +
         extra`` when the spare is smaller), in ``like``'s dtype and device."""
-        buffer, self._buffer = self._buffer, None
+        buffer = self._buffers.pop() if self._buffers else None
         if buffer is None or buffer.numel() < needed:
             buffer = _buffer(like, needed + extra)
         return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
-        """``buffer`` is free: it is the spare now (every ``take`` is followed by one ``give``)."""
-        self._buffer = buffer
+        """``buffer`` is free: it is a spare now (every ``take`` is followed by one ``give``)."""
+        self._buffers.append(buffer)
+
+    def defer(self, cache: SelfAttentionCache) -> None:
+        """``cache`` has a copy left to the step: it runs after those registered before it."""
+        self._deferred.append(cache)
+
+    def settle(self, through: SelfAttentionCache | None = None) -> None:
+        """Run the deferred copies in order, up to and including ``through``'s (None: all)."""
+        while self._deferred:
+            cache = self._deferred.pop(0)
+            cache._copy_deferred()
+            if cache is through:
+                return
+
+    def release(self, cache: SelfAttentionCache) -> None:
+        """``cache``'s copy is handed to the step's kernel: the copies before it run first."""
+        while self._deferred[0] is not cache:
+            self._deferred.pop(0)._copy_deferred()
+        self._deferred.pop(0)
 
 
 # Moves (target row, source row) that a compaction copies one row at a time; more go through one
@@ -122,6 +155,9 @@ class SelfAttentionCache:
         self._spare = spare if spare is not None else Spare()
         self.heads, self.head_dim, self.capacity = heads, head_dim, capacity
         self.rows, self.slots, self.length = rows, slots, 0
+        # a reorder's copy left to the step (``reorder``'s ``defer``): (gather, src_k, src_v, rows,
+        # first, positions), run by the step's attention or by ``_flush`` before anything reads
+        self._deferred: tuple[Gather, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
         self._lay_out()
 
     def _layout(self, flat: torch.Tensor, rows: int, slots: int) -> torch.Tensor:
@@ -142,15 +178,18 @@ class SelfAttentionCache:
     @property
     def k(self) -> torch.Tensor:
         """(R, H, length, Dh) cached keys."""
+        self._flush()
         return self._k4[:, :, : self.length]
 
     @property
     def v(self) -> torch.Tensor:
         """(R, H, length, Dh) cached values."""
+        self._flush()
         return self._v4[:, :, : self.length]
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached keys and values with rows and heads merged, (R*H, length, Dh) each (views)."""
+        self._flush()
         if self._merged is None:
             merged = (self.rows * self.heads, self.slots, self.head_dim)
             self._merged = (self._k4.view(merged), self._v4.view(merged))
@@ -159,6 +198,7 @@ class SelfAttentionCache:
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: (R, H, T, Dh) new positions, stored after the cached ones."""
+        self._flush()
         start, end = self.length, self.length + k.shape[2]
         self._make_room(end)
         self._k4[:, :, start:end].copy_(k)
@@ -173,12 +213,36 @@ class SelfAttentionCache:
         self.length = position + 1
         return self._k4, self._v4, position
 
+    def take_deferred(self) -> list[torch.Tensor]:
+        """For the step's self-attention kernel (``model.fused``'s ``self_attend``, after
+        ``next_slot``): the reorder it is to do first, [src_k, src_v, rows, first], its copy
+        then no longer this cache's to run; [] when none is pending."""
+        if self._deferred is None:
+            return []
+        _, src_k, src_v, rows, first, _ = self._deferred
+        self._spare.release(self)
+        self._deferred = None
+        return [src_k, src_v, rows, first]
+
+    def _flush(self) -> None:
+        """Run the pending reorder copy (and those of the layers before it) before the cache is read."""
+        if self._deferred is not None:
+            self._spare.settle(self)
+
+    def _copy_deferred(self) -> None:
+        """The pending reorder copy, into the layout it was laid out for (``Spare.settle``)."""
+        assert self._deferred is not None
+        gather, src_k, src_v, rows, first, positions = self._deferred
+        self._deferred = None
+        gather(src_k, src_v, rows, self._k4[:, :, :positions], self._v4[:, :, :positions], first)
+
     def compact(self, moves: list[tuple[int, int]], rows: int, capacity: int | None = None) -> None:
         """Rows leave in place: row ``target`` takes row ``source``'s positions for each move, then
         only the first ``rows`` rows stay (the layout keeps its slots; no gather into the spare).
         What a greedy batch needs when sentences finish: ``reorder`` with those rows gathered
         would copy every row that stays. ``capacity``: as ``reorder``'s."""
         assert rows <= self.rows and all(t < rows <= s for t, s in moves), (rows, self.rows, moves)
+        self._flush()
         held = self.length
         for laid_out in (self._k4, self._v4):
             move_rows(laid_out[:, :, :held], moves)
@@ -214,6 +278,7 @@ class SelfAttentionCache:
         capacity: int | None = None,
         gather: Gather | None = None,
         first: torch.Tensor | None = None,
+        defer: bool = False,
     ) -> None:
         """Row i takes the history of row ``rows[i]``; rows: (R',) long (rows may be dropped,
         or repeated to widen a beam). Then ``add`` rows follow with an all-zero history
@@ -226,8 +291,18 @@ class SelfAttentionCache:
         ``first`` (n,) with ``gather``: row i's positions before ``first[i]`` (counted after the
         drop) are left as they are, neither copied nor zeroed: for a caller whose attention never
         reads a row's positions from before its sentence joined (the fused kernels' with their
-        mask), so a reorder copies each row's own positions, not the oldest row's."""
+        mask), so a reorder copies each row's own positions, not the oldest row's. ``defer`` (with
+        ``gather``): the copy is left to the step's self-attention kernel, which does it head by
+        head right before it reads the head (``take_deferred``): the keys and values pass through
+        the memory system once a step instead of twice; anything else that reads the cache
+        first runs it (``_flush``)."""
         assert 0 <= drop <= self.length, (drop, self.length)
+        defer = defer and gather is not None
+        # a copy now writes into spares that pending copies may still read from: those run first
+        if defer:
+            self._flush()
+        else:
+            self._spare.settle()
         kept, new = rows.numel(), self.length - drop
         n = kept + add
         if capacity is not None:
@@ -240,17 +315,27 @@ class SelfAttentionCache:
         # so it is reallocated (and its fresh pages faulted in) every few steps, not at every one.
         # A grown layout without joiners (a greedy batch on its own) has its room in its slots.
         extra = n * self.heads * SPARE_SLOTS * self.head_dim if room == 1 or add else 0
-        # keys gather into the spare, and the keys' buffer is the spare the values gather into
+        # keys gather into the spare, and the keys' buffer is the spare the values gather into;
+        # a deferred copy reads both sources while it writes, so it takes two spares
         into_k = self._spare.take(self._k, needed, extra)
-        self._spare.give(self._k)
-        into_v = self._spare.take(self._v, needed, extra)
+        if defer:
+            into_v = self._spare.take(self._v, needed, extra)
+            self._spare.give(self._k)
+        else:
+            self._spare.give(self._k)
+            into_v = self._spare.take(self._v, needed, extra)
         self._spare.give(self._v)
         whole = drop == 0 and self.length == self.slots
         sources = [laid_out if whole else laid_out[:, :, drop : self.length] for laid_out in (self._k4, self._v4)]
         k4, v4 = self._layout(into_k, n, slots), self._layout(into_v, n, slots)  # (n, H, slots, Dh): the next layout
         targets = [layout if new == slots else layout[:, :, :new] for layout in (k4, v4)]
-        if gather is not None:
-            gather(sources[0], sources[1], rows, targets[0], targets[1], _ALL_POSITIONS if first is None else first)
+        copied = _ALL_POSITIONS if first is None else first
+        if defer:
+            assert gather is not None
+            self._deferred = (gather, sources[0], sources[1], rows, copied, new)
+            self._spare.defer(self)
+        elif gather is not None:
+            gather(sources[0], sources[1], rows, targets[0], targets[1], copied)
         else:
             for source, target in zip(sources, targets, strict=True):
                 torch.index_select(source, 0, rows, out=target[:kept] if add else target)
@@ -378,15 +463,17 @@ class KVCache:
         width: int,
         gather: Gather | None = None,
         first: torch.Tensor | None = None,
+        defer: bool = False,
     ) -> None:
         """Self-attention rows: beam back-pointers, dropped and added rows, forgotten positions,
         the most positions a row may hold, the copy (see ``SelfAttentionCache.reorder``), after which each
         of the cross-attention sentences has ``width`` consecutive rows (sentences that joined
         since the last reorder included: they are the ``add`` rows). ``first``: positions each
-        row may leave uncopied (see ``SelfAttentionCache.reorder``)."""
+        row may leave uncopied (see ``SelfAttentionCache.reorder``); ``defer``: each layer's copy
+        left to its attention in the next step (the same)."""
         assert rows.numel() + add == self.sentences * width, (rows.numel(), add, self.sentences, width)
         for layer in self.layers:
-            layer.self_attention.reorder(rows, room, drop, add, capacity, gather, first)
+            layer.self_attention.reorder(rows, room, drop, add, capacity, gather, first, defer)
 
     def compact(self, moves: list[tuple[int, int]], rows: int, capacity: int | None = None) -> None:
         """Self-attention rows leave in place (see ``SelfAttentionCache.compact``): one row per

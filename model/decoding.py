@@ -363,11 +363,15 @@ class DecodeSession:
             room = 1 if self.k > 1 else None  # beams reorder every step (one more slot); greedy rows grow
             kernels, first = self._kernels, None
             copy = None if kernels is None else kernels.gather_rows_
-            if copy is not None and max(rows.start_host) > origin and self._bound()[1].fused is not None:
+            fused = copy is not None and self._bound()[1].fused is not None
+            if fused and max(rows.start_host) > origin:
                 # rows that joined after the cache's first position copy only their own positions:
                 # the fused attention never reads the others (its mask hides them)
                 first = (rows.row_start() - origin).clamp_(min=0)
-            cache.reorder(gather, room, drop, rows.added, capacity, width=rows.width, gather=copy, first=first)
+            # on the fused kernels each layer's attention does its copy in the step (``defer``)
+            cache.reorder(
+                gather, room, drop, rows.added, capacity, width=rows.width, gather=copy, first=first, defer=fused
+            )
             rows.gather, rows.moves, rows.added = None, None, 0
         return origin
 

@@ -520,16 +520,19 @@ class DecoderStep:
         source = rows[1]
         if self.stack is not None:
             slots = [layer_cache.self_attention.next_slot() for layer_cache in cache.layers]
+            # each layer's pending reorder, copied by its attention (``SelfAttentionCache.reorder``'s defer)
+            reorders = [layer_cache.self_attention.take_deferred() for layer_cache in cache.layers]
             memories = [layer_cache.cross_attention for layer_cache in cache.layers]
             params, eps = self.stack
             return fused.decoder_layers(
                 x, params, [k for k, _, _ in slots], [v for _, v, _ in slots], [p for _, _, p in slots], visible,
-                [m.k for m in memories], [m.v for m in memories], source, scale, eps, cache_rows, sentences,
+                [m.k for m in memories], [m.v for m in memories], source, scale, eps, cache_rows, sentences, reorders,
             )  # fmt: skip
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             k, v, position = layer_cache.self_attention.next_slot()
+            reorder = layer_cache.self_attention.take_deferred()
             qkv = layer.qkv(x if post else layer.self_norm(x), False)  # (R, 3D)
-            y = layer.self_out(fused.self_attend(qkv, k, v, position, visible, scale, cache_rows), False)
+            y = layer.self_out(fused.self_attend(qkv, k, v, position, visible, scale, cache_rows, reorder), False)
             x = _join(fused, x, y, layer.self_norm, post)
             cross = layer_cache.cross_attention
             q = layer.cross_q(x if post else layer.cross_norm(x), False)

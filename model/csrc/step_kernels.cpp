@@ -392,14 +392,48 @@ const int64_t* span_data(const torch::Tensor& spans, int64_t width, int64_t tota
 
 }  // namespace
 
+// One row's head of the KV cache's reorder: positions lo..length of a head laid out at `out`
+// (position stride d2 elements) from the head at `in` (stride s2), or zeroed where in is nullptr
+// (a sentence joining); `size` bytes an element, dh elements a position.
+inline void copy_head(const char* in, char* out, int64_t lo, int64_t length, int64_t s2, int64_t d2, int64_t dh,
+                      int64_t size) {
+  if (lo >= length) return;
+  if (s2 == dh && d2 == dh) {  // a head's positions are one block
+    if (in != nullptr) std::memcpy(out + lo * dh * size, in + lo * dh * size, (length - lo) * dh * size);
+    else std::memset(out + lo * dh * size, 0, (length - lo) * dh * size);
+    return;
+  }
+  for (int64_t l = lo; l < length; l++) {
+    if (in != nullptr) std::memcpy(out + l * d2 * size, in + l * s2 * size, dh * size);
+    else std::memset(out + l * d2 * size, 0, dh * size);
+  }
+}
+
+// A reorder's sources for self_attend (``SelfAttentionCache.reorder`` deferred to the step): src_k,
+// src_v (R', H, >= pos, Dh) the previous layout, index (N') int64 the source row of each of the
+// first N' cache rows (the rest are zeroed), first (N) int64 or empty as gather_rows_'s.
+struct Reorder {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t k0 = 0, k1 = 0, k2 = 0, v0 = 0, v1 = 0, v2 = 0;
+  const int64_t* index = nullptr;
+  int64_t rows = 0;
+  const int64_t* first = nullptr;
+};
+
 // Self-attention of one decoder step. qkv (R, 3D): each row's query, key and value, heads
 // side by side. k, v (N, H, slots, Dh): the cache; the new key and value are written at
 // position `pos`, and each row attends over positions 0..pos, those with visible[r][j] false
 // left out (visible: (R, pos + 1) bool, or an empty tensor: all visible). rows (R,) int64: the
 // cache row of each row (a step that computes only some of the cache's rows), or an empty
-// tensor: row r is cache row r (N = R). -> (R, D), heads merged.
+// tensor: row r is cache row r (N = R). reorder: empty, or {src_k, src_v, index, first}: the
+// cache's reorder (gather_rows_'s, into k and v, positions 0..pos - 1), done here head by head
+// right before the head's attention reads what it copied, so each row's keys and values come
+// through the memory system once a step, not once for the copy and again for the attention
+// (every cache row is copied, computed or not). -> (R, D), heads merged.
 torch::Tensor self_attend(const torch::Tensor& qkv, torch::Tensor k, torch::Tensor v, int64_t pos,
-                          const torch::Tensor& visible, double scale, const torch::Tensor& rows) {
+                          const torch::Tensor& visible, double scale, const torch::Tensor& rows,
+                          const std::vector<torch::Tensor>& reorder) {
   check_rows(qkv, "qkv");
   check_cache(k, "k");
   check_cache(v, "v");
@@ -414,6 +448,36 @@ torch::Tensor self_attend(const torch::Tensor& qkv, torch::Tensor k, torch::Tens
                 "visible must be a contiguous (R, pos + 1) bool tensor");
   }
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "self_attend: k and v must have one dtype");
+  TORCH_CHECK(k.size(0) == v.size(0), "self_attend: k and v must have one row count");
+  const int64_t cache_rows = k.size(0);
+  Reorder from;
+  const bool reordering = !reorder.empty();
+  if (reordering) {
+    TORCH_CHECK(reorder.size() == 4, "self_attend: reorder is {src_k, src_v, index, first}");
+    const torch::Tensor &src_k = reorder[0], &src_v = reorder[1], &index = reorder[2], &first = reorder[3];
+    check_cache(src_k, "src_k");
+    check_cache(src_v, "src_v");
+    TORCH_CHECK(src_k.scalar_type() == k.scalar_type() && src_v.scalar_type() == k.scalar_type() &&
+                    src_k.size(1) == h && src_v.size(1) == h && src_k.size(3) == dh && src_v.size(3) == dh &&
+                    src_k.size(2) >= pos && src_v.size(2) >= pos,
+                "self_attend: the reorder's sources do not match the cache");
+    // the copy reads the sources while it writes k and v, head by head: they must not overlap
+    for (const torch::Tensor* src : {&src_k, &src_v}) {
+      TORCH_CHECK(!src->is_alias_of(k) && !src->is_alias_of(v), "self_attend: a reorder's source is the cache itself");
+    }
+    from.index = index_data(index, index.numel(), std::min(src_k.size(0), src_v.size(0)), "index", false);
+    from.rows = index.numel();
+    TORCH_CHECK(from.rows <= cache_rows, "self_attend: more reorder rows than cache rows");
+    if (first.numel() > 0) {
+      TORCH_CHECK(is_vector(first, torch::kInt64) && first.numel() == cache_rows,
+                  "first must be a contiguous int64 CPU vector of one entry per cache row");
+      from.first = first.data_ptr<int64_t>();
+    }
+    from.k = static_cast<const char*>(src_k.data_ptr());
+    from.v = static_cast<const char*>(src_v.data_ptr());
+    from.k0 = src_k.stride(0), from.k1 = src_k.stride(1), from.k2 = src_k.stride(2);
+    from.v0 = src_v.stride(0), from.v1 = src_v.stride(1), from.v2 = src_v.stride(2);
+  }
   auto out = torch::empty({r, d}, qkv.options());
   const float* in = qkv.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -421,15 +485,36 @@ torch::Tensor self_attend(const torch::Tensor& qkv, torch::Tensor k, torch::Tens
   const int64_t k0 = k.stride(0), k1 = k.stride(1), k2 = k.stride(2);
   const int64_t v0 = v.stride(0), v1 = v.stride(1), v2 = v.stride(2);
   const int64_t n = pos + 1;
-  const int64_t grain = std::max<int64_t>(1, kGrainWork / (2 * n * dh));
+  // computed[i]: the qkv row of cache row i, or -1 (a row that is only copied)
+  std::vector<int64_t> computed;
+  if (reordering && cache_row != nullptr) {
+    computed.assign(cache_rows, -1);
+    for (int64_t row = 0; row < r; row++) computed[cache_row[row]] = row;
+  }
+  const int64_t items = reordering ? cache_rows * h : r * h;  // reordering: every cache row's heads
+  const int64_t grain = std::max<int64_t>(1, kGrainWork / ((reordering ? 3 : 2) * n * dh));
   with_cache_type(k, [&](auto type) {
     using T = decltype(type);
+    const int64_t size = sizeof(T);
     T* kp = static_cast<T*>(k.data_ptr());
     T* vp = static_cast<T*>(v.data_ptr());
-    parallel_chunks(0, r * h, grain, [&](int64_t begin, int64_t end) {
+    parallel_chunks(0, items, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> p(n + dh);  // the softmax weights, then a float16 row widened
       for (int64_t i = begin; i < end; i++) {
-        const int64_t row = i / h, head = i % h, at = cache_row == nullptr ? row : cache_row[row];
+        int64_t row = i / h, at = row;
+        const int64_t head = i % h;
+        if (reordering) {  // i walks the cache's rows: copy this head's history, then attend if computed
+          const int64_t lo = from.first == nullptr ? 0 : std::clamp<int64_t>(from.first[at], 0, pos);
+          const bool kept = at < from.rows;
+          const char* ks = kept ? from.k + (from.index[at] * from.k0 + head * from.k1) * size : nullptr;
+          const char* vs = kept ? from.v + (from.index[at] * from.v0 + head * from.v1) * size : nullptr;
+          copy_head(ks, reinterpret_cast<char*>(kp + at * k0 + head * k1), lo, pos, from.k2, k2, dh, size);
+          copy_head(vs, reinterpret_cast<char*>(vp + at * v0 + head * v1), lo, pos, from.v2, v2, dh, size);
+          row = computed.empty() ? at : computed[at];
+          if (row < 0) continue;
+        } else if (cache_row != nullptr) {
+          at = cache_row[row];
+        }
         const float* q = in + row * 3 * d + head * dh;
         T* kb = kp + at * k0 + head * k1;
         T* vb = vp + at * v0 + head * v1;
@@ -600,23 +685,13 @@ void gather_rows_(const torch::Tensor& src_k, const torch::Tensor& src_v, const 
     char* to = static_cast<char*>(dst->data_ptr());
     const int64_t s0 = src->stride(0), s1 = src->stride(1), s2 = src->stride(2);
     const int64_t d0 = dst->stride(0), d1 = dst->stride(1), d2 = dst->stride(2);
-    const bool whole = s2 == dh && d2 == dh;  // a head's positions are one block
     const int64_t grain = std::max<int64_t>(1, kGrainWork / std::max<int64_t>(1, heads * length * dh));
     parallel_chunks(0, total, grain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; i++) {
         const int64_t lo = skips ? std::clamp<int64_t>(from_position[i], 0, length) : 0;
         for (int64_t h = 0; h < heads; h++) {
-          char* out = to + (i * d0 + h * d1) * size;
           const char* in = i < n ? from + (index[i] * s0 + h * s1) * size : nullptr;
-          if (whole) {
-            if (in != nullptr) std::memcpy(out + lo * dh * size, in + lo * dh * size, (length - lo) * dh * size);
-            else std::memset(out + lo * dh * size, 0, (length - lo) * dh * size);
-            continue;
-          }
-          for (int64_t l = lo; l < length; l++) {
-            if (in != nullptr) std::memcpy(out + l * d2 * size, in + l * s2 * size, dh * size);
-            else std::memset(out + l * d2 * size, 0, dh * size);
-          }
+          copy_head(in, to + (i * d0 + h * d1) * size, lo, length, s2, d2, dh, size);
         }
       }
     });
@@ -1405,25 +1480,27 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& panels, c
 // position its new key and value go to (SelfAttentionCache.next_slot); visible as self_attend's;
 // cross_k, cross_v (B, H, S, Dh) each layer's projected memory; source (B, S) bool as
 // cross_attend's mask; rows as self_attend's and sentences as cross_attend's (each of x's rows'
-// cache row and sentence, or empty tensors: every row, in order). -> x, written in place (the joins'
-// add_norm_), (R, D)
+// cache row and sentence, or empty tensors: every row, in order); reorders: empty, or each layer's
+// self_attend reorder (an empty one: none). -> x, written in place (the joins' add_norm_), (R, D)
 constexpr int64_t kLayerParams = 18;  // qkv, self out, cross q, cross out, fc1, fc2 (panels, bias); 3 norms (weight, bias)
 torch::Tensor decoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& params,
                              const std::vector<torch::Tensor>& self_k, const std::vector<torch::Tensor>& self_v,
                              const std::vector<int64_t>& positions, const torch::Tensor& visible,
                              const std::vector<torch::Tensor>& cross_k, const std::vector<torch::Tensor>& cross_v,
                              const torch::Tensor& source, double scale, double eps, const torch::Tensor& rows,
-                             const torch::Tensor& sentences) {
+                             const torch::Tensor& sentences, const std::vector<std::vector<torch::Tensor>>& reorders) {
   const size_t layers = self_k.size();
   TORCH_CHECK(params.size() == layers * kLayerParams && self_v.size() == layers && positions.size() == layers &&
                   cross_k.size() == layers && cross_v.size() == layers,
               "decoder_layers: ", kLayerParams, " parameters and one cache of each kind per layer");
+  TORCH_CHECK(reorders.empty() || reorders.size() == layers, "decoder_layers: one reorder (or none) per layer");
+  const std::vector<torch::Tensor> none;
   for (size_t i = 0; i < layers; i++) {
     const torch::Tensor* p = params.data() + i * kLayerParams;
     const auto qkv = panel_linear(x, p[0], p[1], false);
-    x = add_norm_(x, panel_linear(self_attend(qkv, self_k[i], self_v[i], positions[i], visible, scale, rows), p[2], p[3],
-                                  false),
-                  p[12], p[13], eps);
+    const auto& reorder = reorders.empty() ? none : reorders[i];
+    const auto attended = self_attend(qkv, self_k[i], self_v[i], positions[i], visible, scale, rows, reorder);
+    x = add_norm_(x, panel_linear(attended, p[2], p[3], false), p[12], p[13], eps);
     const auto q = panel_linear(x, p[4], p[5], false);
     x = add_norm_(x, panel_linear(cross_attend(q, cross_k[i], cross_v[i], source, scale, sentences), p[6], p[7], false),
                   p[14], p[15], eps);
@@ -1469,7 +1546,9 @@ torch::Tensor encoder_layers_ragged(torch::Tensor x, const std::vector<torch::Te
 // (docs/benchmarks.md "One call per pass"). They touch only the tensors they are given.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto unlocked = py::call_guard<py::gil_scoped_release>();
-  m.def("self_attend", &self_attend, "self-attention of one decoder step (writes the cache)");
+  m.def("self_attend", &self_attend, "self-attention of one decoder step (writes the cache; reorders it first with reorder)",
+        py::arg("qkv"), py::arg("k"), py::arg("v"), py::arg("pos"), py::arg("visible"), py::arg("scale"), py::arg("rows"),
+        py::arg("reorder") = std::vector<torch::Tensor>());
   m.def("cross_attend", &cross_attend, "cross-attention of one decoder step");
   m.def("encoder_attend", &encoder_attend, "the encoder's self-attention over padded sentences");
   m.def("add_norm_", &add_norm_, "x = LayerNorm(x + y), in place");

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from model import fused, kernels
 from model.cache import (
     FEW_MOVES,
     FIRST_SLOTS,
@@ -18,6 +19,7 @@ from model.cache import (
     Spare,
     move_rows,
 )
+from tests.conftest import require
 from tests.helpers import rss_mib
 
 H, DH = 2, 3
@@ -214,8 +216,57 @@ def test_layers_reorder_through_one_spare_buffer() -> None:
             seen[:] = [x[rows] for x in seen]
         rows = torch.tensor([1, 0, 3, 2]) if t % 2 else torch.tensor([0, 0, 2, 3])
         buffers = {b.data_ptr() for layer in layers for b in (layer.self_attention._k, layer.self_attention._v)}
-        assert len(buffers) == 2 * len(layers) and spare._buffer is not None
-        assert spare._buffer.data_ptr() not in buffers
+        assert len(buffers) == 2 * len(layers) and len(spare.held) == 1
+        assert spare.held[0].data_ptr() not in buffers
+
+
+def test_a_deferred_reorder_is_copied_by_the_step_or_before_anything_reads_the_cache() -> None:
+    """``defer``: each layer's copy waits for the step's attention kernel (``take_deferred`` hands
+    it over, the copies of the layers before it run first), or for the first read of the cache
+    (``k``, ``v``, ``flat``, ``write``), which runs the pending copies of the layers before it and
+    its own, in layer order: the copies form a chain (a layer's targets are the buffers the
+    layer before it reads), so reading the last layer first still gives every layer its history.
+    2L + 2 buffers: a deferred copy takes two spares before it hands back its own."""
+    kernels_module = fused.load(kernels.fused_variant(kernels.detected()))
+    require(kernels_module is not None, "the fused step kernels do not build here: see the log")
+    torch.manual_seed(6)
+    memory = torch.randn(2, H, 5, DH)
+    spare = Spare()
+    layers = [LayerCache((memory.clone(), memory.clone()), capacity=30, spare=spare) for _ in range(3)]
+    cache = KVCache(layers)
+    history = [[] for _ in layers]
+    rows = torch.tensor([0, 0, 1, 1])
+    for t in range(12):
+        for layer, seen in zip(layers, history, strict=True):
+            k = step(cache.batch_size)
+            layer.append_self(k, -k)  # (the copy of a pending reorder runs first)
+            seen.append(k)
+        cache.reorder(rows, room=1, width=2, gather=kernels_module.gather_rows_, defer=True)
+        for seen in history:
+            seen[:] = [x[rows] for x in seen]
+        rows = torch.tensor([1, 0, 3, 2]) if t % 2 else torch.tensor([0, 0, 2, 3])
+        buffers = {b.data_ptr() for layer in layers for b in (layer.self_attention._k, layer.self_attention._v)}
+        assert len(buffers) == 2 * len(layers) and len(spare.held) == 2
+        assert not buffers & {b.data_ptr() for b in spare.held}
+        if t % 3 == 0:  # read last layer first: the chain runs in order
+            for i in reversed(range(len(layers))):
+                assert torch.equal(layers[i].self_attention.k, torch.cat(history[i], 2))
+                assert torch.equal(layers[i].self_attention.v, -torch.cat(history[i], 2))
+        elif t % 3 == 1:  # the step's kernel takes each layer's copy in turn
+            for layer in layers:
+                src_k, src_v, index, first = layer.self_attention.take_deferred()
+                target = layer.self_attention
+                kernels_module.gather_rows_(src_k, src_v, index, target._k4[:, :, : target.length],
+                                            target._v4[:, :, : target.length], first)  # fmt: skip
+            assert all(layer.self_attention.take_deferred() == [] for layer in layers)
+        else:  # the middle layer's copy handed over first: layer 0's runs before it
+            middle = layers[1].self_attention
+            assert len(middle.take_deferred()) == 4 and layers[0].self_attention._deferred is None
+            assert layers[2].self_attention._deferred is not None
+            history[1] = []  # (its copy was not made here: the layer's history is gone)
+            layers[1].self_attention.length = 0
+    for i in (0, 2):
+        assert torch.equal(layers[i].self_attention.k, torch.cat(history[i], 2))
 
 
 def test_large_buffers_go_back_to_the_os_when_the_cache_drops_them() -> None:

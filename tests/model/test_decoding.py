@@ -340,7 +340,7 @@ def test_sentences_joining_a_running_batch_decode_as_if_alone(
     if poisoned:
 
         def nan_filled(self: Spare, like: torch.Tensor, needed: int, extra: int) -> torch.Tensor:
-            buffer, self._buffer = self._buffer, None
+            buffer = self._buffers.pop() if self._buffers else None
             if buffer is None or buffer.numel() < needed:
                 buffer = like.new_full((needed + extra,), float("nan"))
             return buffer

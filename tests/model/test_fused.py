@@ -558,6 +558,51 @@ def test_the_attention_kernels_compute_some_rows_as_they_compute_all(variant: st
 
 
 @pytest.mark.parametrize("variant", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_reorder_done_by_the_attention_is_the_reorder_then_the_attention(variant: str, dtype: torch.dtype) -> None:
+    """``self_attend`` with a reorder (the cache's copy left to the step): bit for bit what
+    ``gather_rows_`` into the cache and then ``self_attend`` give, the cache included: rows
+    repeated and dropped, joiners' rows zeroed, each row's positions before its ``first`` left as
+    they were, every row or some of them computed, float32 or float16 keys and values; a source
+    that is the cache itself is refused (the copy would read what it writes)."""
+    kernels_module = fused.load(built(variant))
+    assert kernels_module is not None
+    torch.manual_seed(5)
+    h, dh, pos = 4, 16, 6
+    old_k, old_v = (torch.randn(5, h, pos + 3, dh).to(dtype) for _ in range(2))  # the previous layout
+    src_k, src_v = old_k[:, :, 1 : pos + 1], old_v[:, :, 1 : pos + 1]  # one position forgotten: strided
+    index = torch.tensor([4, 4, 0, 2, 2, 1])  # 6 rows kept of 8: rows 6 and 7 are sentences joining
+    first = torch.tensor([0, 0, 2, 0, 9, 3, pos, pos])
+    r = 8
+    qkv = torch.randn(r, 3 * h * dh)
+    visible = torch.ones(r, pos + 1, dtype=torch.bool)
+    for i, lo in enumerate(first.tolist()):
+        visible[i, : min(lo, pos)] = False  # what the mask hides of a late joiner
+    for rows in (EVERY, torch.tensor([0, 1, 2, 3, 5, 6])):  # some: rows 4 and 7 only copied
+        computed = qkv if rows.numel() == 0 else qkv[rows]
+        seen = visible if rows.numel() == 0 else visible[rows]
+        k, v = torch.full((r, h, pos + 1, dh), 7.0, dtype=dtype), torch.full((r, h, pos + 1, dh), 7.0, dtype=dtype)
+        want_k, want_v = k.clone(), v.clone()
+        kernels_module.gather_rows_(src_k, src_v, index, want_k[:, :, :pos], want_v[:, :, :pos], first)
+        want = kernels_module.self_attend(computed, want_k, want_v, pos, seen, 0.25, rows)
+        got = kernels_module.self_attend(computed, k, v, pos, seen, 0.25, rows, [src_k, src_v, index, first])
+        assert torch.equal(got, want)
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+        # row 4's first is past the end and the joiners' is this step: none of theirs is copied
+        assert (k[4, :, :pos] == 7.0).all() and (k[6:, :, :pos] == 7.0).all()
+        assert torch.equal(k[3, :, :pos], src_k[2]) and (k[2, :, :2] == 7.0).all()
+    every = torch.empty(0, dtype=torch.long)  # every position of every row: joiners' zeroed
+    k, v = torch.full((r, h, pos + 1, dh), 7.0, dtype=dtype), torch.full((r, h, pos + 1, dh), 7.0, dtype=dtype)
+    kernels_module.self_attend(qkv, k, v, pos, visible, 0.25, EVERY, [src_k, src_v, index, every])
+    assert torch.equal(k[:6, :, :pos], src_k[index]) and torch.equal(v[:6, :, :pos], src_v[index])
+    assert not k[6:, :, :pos].any() and not v[6:, :, :pos].any()
+    with pytest.raises(RuntimeError, match="the cache itself"):
+        kernels_module.self_attend(qkv, k, v, pos, visible, 0.25, EVERY, [k, v, index, every])
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels_module.self_attend(qkv, k, v, pos, visible, 0.25, EVERY, [src_k, src_v, torch.tensor([5]), every])
+
+
+@pytest.mark.parametrize("variant", RUNNABLE)
 def test_the_beams_advance_over_some_rows_as_over_all(variant: str) -> None:
     """The beams' advance given only the rows a step computed (a joining sentence's first row; its
     copies at -inf marked -1) chooses exactly what it chooses given every row's logits, shared
@@ -887,7 +932,7 @@ def test_passes_on_panels_alone_run_every_layer_in_one_call(variant: str) -> Non
     with pytest.raises(RuntimeError, match="parameters per layer"):
         kernels_module.encoder_layers(x, [x] * 5, mask, 4, 1.0, 1e-5)
     with pytest.raises(RuntimeError, match="one cache of each kind per layer"):
-        kernels_module.decoder_layers(x, [x] * 17, [x], [x], [0], mask, [x], [x], x, 1.0, 1e-5, EVERY, EVERY)
+        kernels_module.decoder_layers(x, [x] * 17, [x], [x], [0], mask, [x], [x], x, 1.0, 1e-5, EVERY, EVERY, [])
 
 
 @pytest.mark.parametrize("variant", [v for v in RUNNABLE if fused.panel_rows_limit(v) > 0])
