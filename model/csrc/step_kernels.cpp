@@ -669,8 +669,7 @@ void gather_rows_(const torch::Tensor& src_k, const torch::Tensor& src_v, const 
                 " out of range");
   }
   const bool skips = first.numel() > 0;
-  TORCH_CHECK(!skips || (first.scalar_type() == torch::kInt64 && first.dim() == 1 && first.is_contiguous() &&
-                         first.is_cpu() && first.numel() == dst_k.size(0)),
+  TORCH_CHECK(!skips || (is_vector(first, torch::kInt64) && first.numel() == dst_k.size(0)),
               "first must be a contiguous int64 CPU vector of one entry per destination row");
   const int64_t* from_position = skips ? first.data_ptr<int64_t>() : nullptr;
   const std::pair<const torch::Tensor*, torch::Tensor*> pairs[2] = {{&src_k, &dst_k}, {&src_v, &dst_v}};

@@ -229,6 +229,13 @@ def test_a_deferred_reorder_is_copied_by_the_step_or_before_anything_reads_the_c
     2L + 2 buffers: a deferred copy takes two spares before it hands back its own."""
     kernels_module = fused.load(kernels.fused_variant(kernels.detected()))
     require(kernels_module is not None, "the fused step kernels do not build here: see the log")
+
+    def run_copy(target: SelfAttentionCache, handed: list[torch.Tensor]) -> None:
+        """A handed-over copy made the way the step's kernel makes it (``gather_rows_``'s result)."""
+        src_k, src_v, index, first = handed
+        kernels_module.gather_rows_(src_k, src_v, index, target._k4[:, :, : target.length],
+                                    target._v4[:, :, : target.length], first)  # fmt: skip
+
     torch.manual_seed(6)
     memory = torch.randn(2, H, 5, DH)
     spare = Spare()
@@ -254,19 +261,17 @@ def test_a_deferred_reorder_is_copied_by_the_step_or_before_anything_reads_the_c
                 assert torch.equal(layers[i].self_attention.v, -torch.cat(history[i], 2))
         elif t % 3 == 1:  # the step's kernel takes each layer's copy in turn
             for layer in layers:
-                src_k, src_v, index, first = layer.self_attention.take_deferred()
-                target = layer.self_attention
-                kernels_module.gather_rows_(src_k, src_v, index, target._k4[:, :, : target.length],
-                                            target._v4[:, :, : target.length], first)  # fmt: skip
+                run_copy(layer.self_attention, layer.self_attention.take_deferred())
             assert all(layer.self_attention.take_deferred() == [] for layer in layers)
-        else:  # the middle layer's copy handed over first: layer 0's runs before it
+        else:  # the middle layer's copy handed over first: layer 0's runs before it, layer 2's waits
             middle = layers[1].self_attention
-            assert len(middle.take_deferred()) == 4 and layers[0].self_attention._deferred is None
+            handed = middle.take_deferred()
+            assert len(handed) == 4 and layers[0].self_attention._deferred is None
             assert layers[2].self_attention._deferred is not None
-            history[1] = []  # (its copy was not made here: the layer's history is gone)
-            layers[1].self_attention.length = 0
-    for i in (0, 2):
+            run_copy(middle, handed)  # as the step's kernel would, before the layer's attention
+    for i in range(len(layers)):
         assert torch.equal(layers[i].self_attention.k, torch.cat(history[i], 2))
+        assert torch.equal(layers[i].self_attention.v, -torch.cat(history[i], 2))
 
 
 def test_large_buffers_go_back_to_the_os_when_the_cache_drops_them() -> None:
