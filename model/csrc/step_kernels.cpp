@@ -345,6 +345,15 @@ bool is_vector(const torch::Tensor& t, torch::ScalarType type) {
   return t.is_cpu() && t.scalar_type() == type && t.dim() == 1 && t.is_contiguous();
 }
 
+// A reorder's first copied position of each of n rows (gather_rows_'s and self_attend's `first`),
+// or nullptr for an empty tensor (every position of every row); `per` names the rows.
+const int64_t* first_data(const torch::Tensor& first, int64_t n, const char* per) {
+  if (first.numel() == 0) return nullptr;
+  TORCH_CHECK(is_vector(first, torch::kInt64) && first.numel() == n,
+              "first must be a contiguous int64 CPU vector of one entry per ", per);
+  return first.data_ptr<int64_t>();
+}
+
 // A product's bias (N), or nullptr for an empty tensor (none).
 const float* bias_data(const torch::Tensor& bias, int64_t n) {
   if (bias.numel() == 0) return nullptr;
@@ -468,11 +477,7 @@ torch::Tensor self_attend(const torch::Tensor& qkv, torch::Tensor k, torch::Tens
     from.index = index_data(index, index.numel(), std::min(src_k.size(0), src_v.size(0)), "index", false);
     from.rows = index.numel();
     TORCH_CHECK(from.rows <= cache_rows, "self_attend: more reorder rows than cache rows");
-    if (first.numel() > 0) {
-      TORCH_CHECK(is_vector(first, torch::kInt64) && first.numel() == cache_rows,
-                  "first must be a contiguous int64 CPU vector of one entry per cache row");
-      from.first = first.data_ptr<int64_t>();
-    }
+    from.first = first_data(first, cache_rows, "cache row");
     from.k = static_cast<const char*>(src_k.data_ptr());
     from.v = static_cast<const char*>(src_v.data_ptr());
     from.k0 = src_k.stride(0), from.k1 = src_k.stride(1), from.k2 = src_k.stride(2);
@@ -668,10 +673,8 @@ void gather_rows_(const torch::Tensor& src_k, const torch::Tensor& src_v, const 
     TORCH_CHECK(index[i] >= 0 && index[i] < src_k.size(0) && index[i] < src_v.size(0), "row ", index[i],
                 " out of range");
   }
-  const bool skips = first.numel() > 0;
-  TORCH_CHECK(!skips || (is_vector(first, torch::kInt64) && first.numel() == dst_k.size(0)),
-              "first must be a contiguous int64 CPU vector of one entry per destination row");
-  const int64_t* from_position = skips ? first.data_ptr<int64_t>() : nullptr;
+  const int64_t* from_position = first_data(first, dst_k.size(0), "destination row");
+  const bool skips = from_position != nullptr;
   const std::pair<const torch::Tensor*, torch::Tensor*> pairs[2] = {{&src_k, &dst_k}, {&src_v, &dst_v}};
   for (const auto& [src, dst] : pairs) {
     TORCH_CHECK(dst->size(0) >= n && dst->size(1) == src->size(1) && dst->size(2) == src->size(2) &&
