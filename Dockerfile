@@ -39,7 +39,7 @@ COPY model model
 # without the dev extras; pip check fails the build on a broken set.
 RUN "$VIRTUAL_ENV/bin/pip" install ".[plot]" \
     && "$VIRTUAL_ENV/bin/pip" check
-# The fused decoder-step kernels (model/fused.py) compiled here, every x86 variant (AVX-512 VNNI, AVX-512, AVX2,
+# The fused decoder-step kernels (model/engine/fused.py) compiled here, every x86 variant (AVX-512 VNNI, AVX-512, AVX2,
 # baseline: the runtime picks by the CPU's features), into the venv, so the runtime needs no
 # compiler: without them float32 decodes on tensor operations instead of the packed panels.
 # (-P: the installed package, not the source tree in this folder.)
@@ -48,7 +48,7 @@ RUN command -v g++ >/dev/null || { apt-get update \
         && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
         && rm -rf /var/lib/apt/lists/*; }
 RUN case "$(uname -m)" in \
-        x86_64) TORCH_EXTENSIONS_DIR="$VIRTUAL_ENV/kernels" "$VIRTUAL_ENV/bin/python" -P -m model.fused --build ;; \
+        x86_64) TORCH_EXTENSIONS_DIR="$VIRTUAL_ENV/kernels" "$VIRTUAL_ENV/bin/python" -P -m model.engine.fused --build ;; \
         *) echo "no fused-kernel variants for $(uname -m): the image decodes on tensor operations" ;; \
     esac
 
@@ -66,7 +66,7 @@ ENV VIRTUAL_ENV=/opt/venv \
     TRANSLATOR_PORT=8000 \
     TRANSLATOR_WEIGHTS_DIR=/app/weights \
     TORCH_EXTENSIONS_DIR=/opt/venv/kernels
-# mimalloc: `translator serve` re-executes itself on it (TRANSLATOR_MALLOC=auto; model/allocator.py):
+# mimalloc: `translator serve` re-executes itself on it (TRANSLATOR_MALLOC=auto; model/engine/allocator.py):
 # lower batch memory than glibc's malloc at the same speed (docs/benchmarks.md "The allocator").
 # A runtime library, so the runtime stage installs it; the base image's Debian release fixes its version.
 # hadolint ignore=DL3008

@@ -14,40 +14,30 @@ import os
 import sys
 import typing
 from collections.abc import Callable
-from importlib import metadata
 
 from pydantic import ValidationError
 
-from app.logs import configure_logging
+from app import version
+from app.observability.logs import configure_logging
 from app.settings import Settings
-from model.allocator import MallocUnavailable, exec_with_malloc
-
-DISTRIBUTION = "transformer-translator"
-
-
-def version() -> str:
-    """The installed package's version (from its metadata)."""
-    try:
-        return metadata.version(DISTRIBUTION)
-    except metadata.PackageNotFoundError:  # running from a checkout that was never installed
-        return "0+unknown"
+from model.engine.allocator import MallocUnavailable, exec_with_malloc
 
 
 def _train(argv: list[str]) -> None:
-    from model.train import main
+    from model.training.train import main
 
     main(argv)
 
 
 def _evaluate(argv: list[str]) -> None:
-    from model.evaluate import main
+    from model.training.evaluate import main
 
     main(argv)
 
 
 def _plot(argv: list[str]) -> None:
     try:
-        from model.plot import main
+        from model.training.plot import main
     except ModuleNotFoundError as err:
         if err.name != "matplotlib":
             raise
@@ -58,7 +48,7 @@ def _plot(argv: list[str]) -> None:
 
 
 def _suggestions(argv: list[str]) -> None:
-    from app.suggestions import main
+    from app.storage.suggestions import main
 
     raise SystemExit(main(argv))
 
@@ -72,7 +62,7 @@ def _data(argv: list[str]) -> None:
         )
         parser.parse_args(argv[:1])  # --help (exit 0), or a usage error (exit 2)
         return
-    from model.multi30k import main
+    from model.training.multi30k import main
 
     raise SystemExit(main(argv[1:]))
 
@@ -183,7 +173,8 @@ def serve(argv: list[str]) -> None:
         host=settings.host,
         port=settings.port,
         log_config=None,
-        access_log=False,  # app.access logs each request (with its id); uvicorn's own is disabled (app.logs)
+        # app.access logs each request (with its id); uvicorn's own is disabled (app.observability.logs)
+        access_log=False,
         # the app cuts requests off after the drain timeout itself (AppState.drain_on_signals);
         # uvicorn's own limit is a backstop a second later
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s) + 1,

@@ -13,14 +13,15 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from app import errors, openapi, tracing
-from app.cli import version
-from app.deps import security_schemes
-from app.middleware import BodyLimitMiddleware, DirectRoutes, JsonCorsMiddleware, RequestContextMiddleware
-from app.routes import STATIC, build_router, direct_translate
+from app import version
+from app.http import errors, openapi
+from app.http.deps import security_schemes
+from app.http.middleware import BodyLimitMiddleware, DirectRoutes, JsonCorsMiddleware, RequestContextMiddleware
+from app.http.routes import STATIC, build_router, direct_translate
+from app.http.uploads import FORM_OVERHEAD
+from app.observability import tracing
+from app.serving.state import AppState
 from app.settings import Settings
-from app.state import AppState
-from app.uploads import FORM_OVERHEAD
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     /ready answer at once);
     on shutdown, let the model thread finish what was accepted. The loader is a thread of its
     own that ends after loading; the models load and run on the one model thread
-    (``app.batching.ModelThread``: one OpenMP pool)."""
+    (``app.serving.scheduler.ModelThread``: one OpenMP pool)."""
     state: AppState = app.state.translator
     state.check()  # a setting this machine cannot run fails start-up here, before serving anything
-    tracing.configure()  # spans over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set (app/tracing.py)
+    tracing.configure()  # spans over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set (app/observability/tracing.py)
     state.drain_on_signals(asyncio.get_running_loop())
     loader = threading.Thread(target=state.load, name="loader", daemon=True)
     loader.start()
@@ -48,7 +49,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 def document(app: FastAPI) -> dict[str, Any]:
     """The OpenAPI document, built once: FastAPI's, with the API key's security schemes (the keyed
-    routes name them in their ``openapi_extra``; they are not dependencies: ``app.deps.keyed``)."""
+    routes name them in their ``openapi_extra``; they are not dependencies: ``app.http.deps.keyed``)."""
     if app.openapi_schema is None:
         doc = FastAPI.openapi(app)  # (kept as app.openapi_schema)
         doc.setdefault("components", {})["securitySchemes"] = security_schemes()
@@ -64,8 +65,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Neural machine translation (LibreTranslate-compatible /translate, attention maps).",
         version=version(),
         lifespan=lifespan,
-        # requests are traced by app.tracing (a span per request, one per phase) and measured by
-        # app.metrics: FastAPI's own OpenTelemetry instrumentation would add a second root span
+        # requests are traced by app.observability.tracing (a span per request, one per phase) and measured by
+        # app.observability.metrics: FastAPI's own OpenTelemetry instrumentation would add a second root span
         # per request wherever a global provider is set, and checks the providers on every request
         telemetry={
             "tracing": False,
@@ -95,7 +96,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_headers=["*"],
             expose_headers=["X-Request-ID", "Server-Timing"],
         )
-    # an upload's limit is the file's (its form around it included); app.uploads stops at the file's own
+    # an upload's limit is the file's (its form around it included); app.http.uploads stops at the file's own
     uploads = {"/translate_file": settings.max_file_bytes + FORM_OVERHEAD}
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, paths=uploads)
     app.add_middleware(RequestContextMiddleware, metrics=state.metrics)

@@ -9,8 +9,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from model.allocator import MallocChoice
-from model.precision import Precision
+from model.engine.allocator import MallocChoice
+from model.network.precision import Precision
 
 
 class KeyLimits(BaseModel):
@@ -43,7 +43,7 @@ class Settings(BaseSettings):
     shortlist: bool = Field(
         True,
         description="float precisions: score only the lexical shortlist a checkpoint ships (shortlist.safetensors, "
-        "model/shortlist.py): faster; a few sentences in a hundred may differ from whole-vocabulary decoding; "
+        "model/engine/shortlist.py): faster; a few sentences in a hundred may differ from whole-vocabulary decoding; "
         "false: the whole vocabulary (int8 always scores it: faster there)",
     )
     fused_step: bool = Field(
@@ -51,14 +51,14 @@ class Settings(BaseSettings):
         description="float32 and int8 on the CPU: run the decoder step's attention, layer norms and beam bookkeeping, "
         "and (float32) every layer but the output projection, and a shortlist's logits, on weights packed into "
         "panels (a pass's layers in one call), and (int8) the int8 products (every one on AVX2 and on "
-        "AVX-512 with VNNI, a few rows on AVX-512 without it), on the fused C++ kernels (model/fused.py; built "
+        "AVX-512 with VNNI, a few rows on AVX-512 without it), on the fused C++ kernels (model/engine/fused.py; built "
         "once per CPU variant with the system's C++ compiler, ~20-60 s, cached): about half the time a sentence "
         "one at a time; false, or no compiler: torch's tensor operations, float32 layers on oneDNN (MKL on Intel CPUs)",
     )
     malloc: MallocChoice = Field(
         "auto",
         description="memory allocator (translator serve re-executes itself on it): auto: mimalloc where installed "
-        "(Debian/Ubuntu: libmimalloc2.0; lower batch memory, model/allocator.py), else glibc's malloc, tuned; "
+        "(Debian/Ubuntu: libmimalloc2.0; lower batch memory, model/engine/allocator.py), else glibc's malloc, tuned; "
         "mimalloc: refuse to start without it",
     )
     host: str = Field("0.0.0.0", description="address to listen on")
@@ -119,7 +119,7 @@ class Settings(BaseSettings):
     )
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list, description="comma-separated origins")
 
-    # Per-client limits, named after LibreTranslate's (LT_REQ_LIMIT, ...): app/ratelimit.py
+    # Per-client limits, named after LibreTranslate's (LT_REQ_LIMIT, ...): app/storage/ratelimit.py
     req_limit: int = Field(0, ge=0, description="requests per minute per client (API key, else address); 0: no limit")
     hourly_req_limit: int = Field(0, ge=0, description="requests per hour per client; 0: no limit")
     daily_req_limit: int = Field(0, ge=0, description="requests per day per client; 0: no limit")

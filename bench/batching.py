@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from bench.stats import median
-from model import checkpoint
-from model.data import MULTI30K_DIR, read_lines
-from model.decoding import DecodingOptions
-from model.translator import Translator
+from model.engine import loading
+from model.engine.options import DecodingOptions
+from model.engine.translator import Translator
+from model.training.data import MULTI30K_DIR, read_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("static-sorted", "static-arrival", "continuous")
@@ -83,7 +83,7 @@ def run(
 def measure(
     mode: str, translator: Translator, ids: list[list[int]], options: DecodingOptions, args: argparse.Namespace
 ) -> BatchingResult:
-    vocabulary = checkpoint.vocabulary_label(translator.shortlist)
+    vocabulary = loading.vocabulary_label(translator.shortlist)
     order = sorted(ids, key=len) if mode == "static-sorted" else ids
     passes: list[float] = []
     counts = (0, 0, 0)
@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    ckpt = checkpoint.load(args.weights, "cpu", "float32")
-    translator = Translator(ckpt.model, ckpt.tokenizer, shortlist=checkpoint.use_shortlist(ckpt, args.shortlist))
+    ckpt = loading.load(args.weights, "cpu", "float32")
+    translator = Translator(ckpt.model, ckpt.tokenizer, shortlist=loading.use_shortlist(ckpt, args.shortlist))
     texts = read_lines(args.data_dir / "test_2016_flickr.de.gz")
     texts = texts[: args.limit] if args.limit else texts
     ids = translator.encode(texts)

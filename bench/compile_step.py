@@ -2,7 +2,7 @@
 
     python -m bench.compile_step [--weights weights/de-en] [--rows 1,4] [--steps 15] [--reps 40]
 
-``model.step.DecoderStep`` writes into views of its cache's buffers, which inductor cannot
+``model.engine.step.DecoderStep`` writes into views of its cache's buffers, which inductor cannot
 compile (docs/benchmarks.md "The small-batch step"). So this times a functional twin of the
 same math that inductor can take whole: a static KV cache (``--slots`` positions laid out up
 front, the unused ones hidden by an additive mask, new keys and values written with
@@ -32,9 +32,9 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
-from model import allocator, checkpoint
-from model.transformer import Transformer
-from model.translator import Translator, source_batch
+from model.engine import allocator, loading
+from model.engine.translator import Translator, source_batch
+from model.network.transformer import Transformer
 
 StepFn = Callable[..., torch.Tensor]
 
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     allocator.bound_onednn_cache()
     allocator.tune_malloc()
     torch.set_num_threads(args.threads)
-    ckpt = checkpoint.load(args.weights, "cpu", "float32", keep_float_weights=True)
+    ckpt = loading.load(args.weights, "cpu", "float32", keep_float_weights=True)
     model = ckpt.model
     cfg = model.config
     step = functional_step(model)
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     inductor_config.freezing = True
     inductor_config.cpp_wrapper = args.cpp_wrapper
     compiled = torch.compile(step, dynamic=False)
-    served = checkpoint.load(args.weights, "cpu", "float32")  # the engine as the service runs it
+    served = loading.load(args.weights, "cpu", "float32")  # the engine as the service runs it
     engine = Translator(served.model, served.tokenizer)
     ids = engine.encode([text])  # one sentence's ids, no specials
     src = source_batch(model, ids)  # (1, S), EOS-ended
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
             start = time.perf_counter()
             compiled_logits = cache.run(compiled, batch)
             first = time.perf_counter() - start  # (both are warm now: eager ran first)
-            options = checkpoint.decoding_options(served.meta, rows)
+            options = loading.decoding_options(served.meta, rows)
             for _ in range(3):
                 engine.decode_batch(ids, options)
             start, engine_steps = time.perf_counter(), 0

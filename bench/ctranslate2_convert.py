@@ -34,10 +34,10 @@ import torch
 from ctranslate2.specs import common_spec, transformer_spec
 from torch import nn
 
-from model import checkpoint
-from model.attention import CrossAttention, SelfAttention
-from model.tokenizer import Tokenizer
-from model.transformer import DecoderLayer, Embedding, EncoderLayer, FeedForward, Transformer
+from model.engine import loading
+from model.network.attention import CrossAttention, SelfAttention
+from model.network.tokenizer import Tokenizer
+from model.network.transformer import DecoderLayer, Embedding, EncoderLayer, FeedForward, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def convert(
     model can still run as int8 with ``compute_type="int8"`` when loaded). An existing
     ``output_dir`` is replaced only with ``force``.
     """
-    ckpt = checkpoint.load(checkpoint_dir, "cpu", keep_float_weights=True)
+    ckpt = loading.load(checkpoint_dir, "cpu", keep_float_weights=True)
     out = write(build_spec(ckpt.model, ckpt.tokenizer), output_dir, quantization, force)
     log.info("converted %s to CTranslate2 at %s (quantization %s)", checkpoint_dir, out, quantization)
     return out

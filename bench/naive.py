@@ -13,16 +13,17 @@ from collections.abc import Sequence
 
 import torch
 
-from model.decoding import DecodingOptions, max_steps
-from model.tokenizer import Tokenizer
-from model.transformer import Transformer
+from model.engine.decoding import max_steps
+from model.engine.options import DecodingOptions
+from model.network.tokenizer import Tokenizer
+from model.network.transformer import Transformer
 
 
 @torch.inference_mode()
 def greedy_ids(model: Transformer, src_ids: Sequence[int], options: DecodingOptions) -> list[int]:
     """src_ids: one sentence's pieces (no EOS) -> generated ids without BOS/EOS.
 
-    The length limit is ``model.decoding.max_steps``'s, so it stops where our search stops.
+    The length limit is ``model.engine.decoding.max_steps``'s, so it stops where our search stops.
     """
     cfg = model.config
     device = next(model.parameters()).device

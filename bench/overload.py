@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench.load import ROOT, Connection, server
 from bench.stats import median_row, percentile
-from model.data import MULTI30K_DIR, read_lines
+from model.training.data import MULTI30K_DIR, read_lines
 
 
 @dataclass(frozen=True)

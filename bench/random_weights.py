@@ -16,14 +16,15 @@ from pathlib import Path
 import torch
 
 from model import checkpoint
-from model.transformer import Transformer
+from model.engine import loading
+from model.network.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
 
 def random_like(like: Path, out: Path, seed: int = 0) -> Path:
     """A checkpoint at ``out`` with ``like``'s config, tokenizer and metadata, Xavier-random weights."""
-    source = checkpoint.load(like, "cpu", keep_float_weights=True)
+    source = loading.load(like, "cpu", keep_float_weights=True)
     torch.manual_seed(seed)
     model = Transformer(source.config)
     meta = {k: v for k, v in source.meta.items() if k not in {"training", "model"}}

@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 from bench.load import ROOT, Connection, server, server_metric
-from model.data import MULTI30K_DIR, read_lines
-from model.progress import progress
+from model.training.data import MULTI30K_DIR, read_lines
+from model.training.progress import progress
 
 BEAMS = (1, 2, 4, 8)
 

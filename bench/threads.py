@@ -22,7 +22,7 @@ from pathlib import Path
 
 PROC = Path("/proc")
 LISTEN = "0A"  # TCP state LISTEN in /proc/net/tcp
-MODEL = "model"  # the OS name of our server's model thread (``app.batching.ModelThread``)
+MODEL = "model"  # the OS name of our server's model thread (``app.serving.scheduler.ModelThread``)
 WORKER = f"{MODEL}'s OpenMP worker"
 
 

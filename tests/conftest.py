@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import checkpoint, fused, kernels
-from model.data import MULTI30K_DIR, read_lines
-from model.tokenizer import Tokenizer, train_tokenizer
-from model.transformer import Transformer
+from model import checkpoint
+from model.engine import fused
+from model.engine.features import detected, fused_variant
+from model.network.tokenizer import Tokenizer, train_tokenizer
+from model.network.transformer import Transformer
+from model.training.data import MULTI30K_DIR, read_lines
 from tests.factories import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,12 +34,12 @@ def require(condition: bool, reason: str) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def fused_kernels_built() -> None:
-    """Build this CPU's fused decoder-step kernels (``model.fused``) once, before any test: on a
+    """Build this CPU's fused decoder-step kernels (``model.engine.fused``) once, before any test: on a
     machine whose torch extension cache has none, the first model load compiles them (55 s on a
     2-core AMD EPYC Zen 3), which would otherwise count against the first test server's
     readiness deadline. Servers started later, in this process or another, load the cached build."""
     if fused.enabled():
-        fused.load(kernels.fused_variant(kernels.detected()))
+        fused.load(fused_variant(detected()))
 
 
 @pytest.fixture(scope="session")

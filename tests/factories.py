@@ -17,11 +17,13 @@ from starlette.types import ASGIApp
 
 from app.main import create_app
 from app.settings import Settings
-from model import kernels
-from model.config import ModelConfig
-from model.kernels import KernelPlan, UnsupportedPrecision
-from model.step import DecoderStep
-from model.transformer import Transformer
+from model.engine import kernels
+from model.engine.cache import init_cache
+from model.engine.features import detected
+from model.engine.kernels import KernelPlan, UnsupportedPrecision
+from model.engine.step import DecoderStep
+from model.network.config import ModelConfig
+from model.network.transformer import Transformer
 
 V = 60  # make_model's vocabulary: ids 0-3 are the specials (pad, unk, bos, eos)
 DOC = {"source": "de", "target": "en"}  # the direction of the tests' checkpoints
@@ -48,7 +50,7 @@ def tiny_config(vocab: int, **overrides: object) -> ModelConfig:
 # This CPU as if it were not Intel's: without the fused kernels (``fused=False``: off, or no
 # compiler) float32 runs oneDNN (packed) wherever it can, so the oneDNN paths are tested on every
 # CPU, although plans with a compiler put float32 on the fused kernels' panels.
-PACKED_FEATURES = replace(kernels.detected(), intel=False)
+PACKED_FEATURES = replace(detected(), intel=False)
 
 
 def packed_plan(precision: str) -> KernelPlan:
@@ -67,10 +69,10 @@ def packed_plan(precision: str) -> KernelPlan:
 def assert_steps_match(
     model: Transformer, src: torch.Tensor, tgt: torch.Tensor, expected: torch.Tensor, tol: float
 ) -> None:
-    """The incremental decoder step (``model.step``, on the KV cache) of src (B, S) and tgt (B, T)
+    """The incremental decoder step (``model.engine.step``, on the KV cache) of src (B, S) and tgt (B, T)
     gives ``expected[:, t]`` (expected: (B, T, V), a teacher-forced pass) at every step t."""
     memory, mask, _ = model.encode(src)
-    cache = model.init_cache(memory, capacity=tgt.shape[1])
+    cache = init_cache(model, memory, capacity=tgt.shape[1])
     step = DecoderStep(model)
     for t in range(tgt.shape[1]):
         torch.testing.assert_close(step(tgt[:, t], cache, mask), expected[:, t], atol=tol, rtol=tol)

@@ -15,13 +15,13 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.batching import QueueFull, SchedulerClosed, TooLarge
-from app.errors import refusal
+from app.http.errors import refusal
 from app.main import create_app
-from app.ratelimit import RateLimited
-from app.service import SentenceTooLong, TextTooLong, Timeout, TranslationError
+from app.serving.scheduler import QueueFull, SchedulerClosed, TooLarge
+from app.serving.service import SentenceTooLong, TextTooLong, Timeout, TranslationError
 from app.settings import Settings
-from model import fused, kernels
+from app.storage.ratelimit import RateLimited
+from model.engine import fused, kernels
 from tests.factories import DOC, assert_error, sample, server_timing, start
 
 
@@ -351,9 +351,9 @@ def test_what_the_service_refuses_gets_its_status_in_one_place(
 def test_draining_refuses_requests_that_arrive_after_it_began_not_those_before(tmp_path: Path) -> None:
     """A request received before SIGTERM but not yet routed (its body still being read, say) is
     served within the drain timeout; one that arrives after gets 503 shutting_down."""
-    from app import timing
-    from app.errors import ApiError
-    from app.state import AppState
+    from app.observability import timing
+    from app.serving.errors import ApiError
+    from app.serving.state import AppState
 
     state = AppState(Settings(weights_dir=tmp_path))
     state.ready.set()

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.batching import BatchLimits, BatchScheduler, Job, ModelThread, SchedulerClosed
-from app.metrics import Metrics
-from model.data import pad
-from model.decoding import DecodingOptions, Finished, Hypothesis, decode
-from model.transformer import Transformer
-from model.translator import IdsSession
+from app.observability.metrics import Metrics
+from app.serving.scheduler import BatchLimits, BatchScheduler, Job, ModelThread, SchedulerClosed
+from model.engine.batches import pad
+from model.engine.decoding import Finished, Hypothesis, decode
+from model.engine.options import DecodingOptions
+from model.engine.translator import IdsSession
+from model.network.transformer import Transformer
 from tests.factories import make_model
 
 LIMITS = BatchLimits(max_sentences=8, max_tokens=1000, max_wait_s=0.0, queue_size=100)
@@ -438,7 +439,7 @@ def test_cancel_in_the_session_frees_rows_and_keeps_the_others_exact() -> None:
 
 
 def test_throughput_counts_the_last_seconds() -> None:
-    from app.batching import Throughput
+    from app.serving.scheduler import Throughput
 
     rate = Throughput(window=10)
     assert rate.per_second(now=100.5) == 0.0
@@ -450,7 +451,7 @@ def test_throughput_counts_the_last_seconds() -> None:
 
 
 def test_requests_that_can_never_fit_are_too_large_and_the_rest_retry_after_the_drain_time() -> None:
-    from app.batching import QueueFull, TooLarge
+    from app.serving.scheduler import QueueFull, TooLarge
 
     limits = BatchLimits(max_sentences=8, max_tokens=1000, max_wait_s=0.0, queue_size=4)
     scheduler = BatchScheduler(never_opened, limits, Metrics(), "xx-yy")  # not started: nothing leaves the queue

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import COMMANDS, serve_settings, version
+from app import version
+from app.cli import COMMANDS, serve_settings
 from app.settings import Settings
 from tests.conftest import ROOT
 

@@ -9,10 +9,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from starlette.types import Receive, Scope, Send
 
-from app import errors
-from app.errors import ApiError
+from app.http import errors
+from app.http.middleware import DirectRoutes
 from app.main import create_app
-from app.middleware import DirectRoutes
+from app.serving.errors import ApiError
 from app.settings import Settings
 from tests.factories import assert_error, start_app
 

@@ -18,9 +18,9 @@ import pytest
 import srt
 from fastapi.testclient import TestClient
 
-from app.documents import DocumentError, ZipLimits, check_zip
+from app.formats.documents import DocumentError, ZipLimits, check_zip
+from app.http.uploads import FORM_OVERHEAD, safe_filename
 from app.settings import Settings
-from app.uploads import FORM_OVERHEAD, safe_filename
 from tests.factories import assert_error, start
 
 MAX_FILE = 100_000

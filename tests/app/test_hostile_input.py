@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.deps import MAX_JSON_DEPTH
+from app.http.deps import MAX_JSON_DEPTH
 from app.settings import Settings
 from tests.factories import assert_error, start
 from tests.helpers import running_server

@@ -20,11 +20,12 @@ from fastapi.testclient import TestClient
 from starlette.types import Message
 
 from app.settings import Settings
-from app.suggestions import SuggestionStore
+from app.storage.suggestions import SuggestionStore
 from model import checkpoint
-from model.data import read_parallel
-from model.tokenizer import Tokenizer
-from model.transformer import Transformer
+from model.engine import loading
+from model.network.tokenizer import Tokenizer
+from model.network.transformer import Transformer
+from model.training.data import read_parallel
 from tests.factories import assert_error, start, tiny_config
 from tests.helpers import ROOT, running_server
 
@@ -212,7 +213,7 @@ def fake_checkpoint(folder: Path, meta: dict[str, Any], val_bleu: dict[str, floa
 
 
 def test_each_direction_is_served_by_the_checkpoint_with_the_better_val_score(tmp_path: Path) -> None:
-    from app.service import assign_directions
+    from app.serving.service import assign_directions
 
     many = {"directions": ["de-en", "de-fr", "en-fr"], "target_tags": True}
     m2m = fake_checkpoint(tmp_path / "many", many, {"de-en": 42.0, "de-fr": 30.0, "en-fr": 50.0})
@@ -235,14 +236,14 @@ def test_a_many_to_many_model_serves_its_directions_from_one_loaded_model(tmp_pa
     """The shipped many-to-many checkpoint alone: every direction it lists is served, each
     source led by its target's tag (the same translation as the model outside the service),
     all through one model and one batching thread."""
-    from model.decoding import DecodingOptions
-    from model.tokenizer import target_prefix
-    from model.translator import Translator
+    from model.engine.options import DecodingOptions
+    from model.engine.translator import Translator
+    from model.network.tokenizer import target_prefix
 
     weights = tmp_path / "weights"
     weights.mkdir()
     (weights / "many-to-many").symlink_to(ROOT / "weights" / "many-to-many")
-    ckpt = checkpoint.load(weights / "many-to-many")
+    ckpt = loading.load(weights / "many-to-many")
     texts = ["Ein Hund läuft über die Wiese.", "Zwei Kinder spielen im Park."]
     card = ckpt.meta["decoding"]
 

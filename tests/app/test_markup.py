@@ -1,4 +1,4 @@
-"""app.markup's placement of formatting on translated words, given the alignment.
+"""app.formats.markup's placement of formatting on translated words, given the alignment.
 
 The model decides the words and the alignment; what is tested here is what the service does
 with them, so the engine below answers fixed translations and links (what the model gave
@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from app.markup import Aligned, Block, Run, translate_blocks
+from app.formats.markup import Aligned, Block, Run, translate_blocks
 
 
 @dataclass
@@ -120,7 +120,7 @@ def test_a_block_without_text_is_not_sent() -> None:
 
 
 def test_through_the_pivot_a_word_links_to_the_source_word_its_pivot_word_links_to() -> None:
-    from app.engine import compose
+    from app.serving.pivots import compose
 
     german = "Ein roter Hund"
     first = Aligned(("A", "red", "dog"), (0, 1, 2), spans(german))  # de -> en

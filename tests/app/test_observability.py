@@ -125,7 +125,7 @@ def test_every_command_logs_json(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     record = json.loads(done.stderr.strip().splitlines()[-1])
-    assert record["level"] == "ERROR" and record["logger"] == "model.plot" and "log.jsonl" in record["message"]
+    assert record["level"] == "ERROR" and record["logger"] == "model.training.plot" and "log.jsonl" in record["message"]
     text = subprocess.run(
         [sys.executable, "-m", "app.cli", "plot", "training", str(tmp_path)],
         cwd=ROOT,
@@ -133,7 +133,7 @@ def test_every_command_logs_json(tmp_path: Path) -> None:
         text=True,
         env={**os.environ, "TRANSLATOR_LOG_FORMAT": "text"},
     )
-    assert " ERROR model.plot [-]: " in text.stderr
+    assert " ERROR model.training.plot [-]: " in text.stderr
 
 
 def test_every_error_body_names_its_request(tiny_weights_dir: Path) -> None:
@@ -170,7 +170,7 @@ def test_metrics_negotiate_openmetrics_and_gzip(tiny_weights_dir: Path) -> None:
 def test_a_labelled_series_is_looked_up_once_and_exported_as_labels_gives_it() -> None:
     from prometheus_client import generate_latest
 
-    from app.metrics import Metrics
+    from app.observability.metrics import Metrics
 
     m = Metrics()
     series = m.series(m.request_phase, "/translate", "decode")

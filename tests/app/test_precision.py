@@ -11,8 +11,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.service import assign_directions, discover
-from model import kernels
+from app.serving.service import assign_directions, discover
+from model.engine import kernels
+from model.engine.features import detected
 from tests.helpers import ROOT, free_port, running_server
 
 DOC = {"source": "de", "target": "en"}
@@ -25,7 +26,7 @@ def _serve_and_exit(env: dict[str, str], timeout: float = 60) -> subprocess.Comp
     )
 
 
-@pytest.mark.skipif(not kernels.detected().avx2, reason="int8 needs AVX2; its refusal is tested below")
+@pytest.mark.skipif(not detected().avx2, reason="int8 needs AVX2; its refusal is tested below")
 def test_int8_is_served_and_reported(shipped: Path) -> None:
     env = {"TRANSLATOR_WEIGHTS_DIR": str(shipped.parent), "TRANSLATOR_DTYPE": "int8", "TRANSLATOR_THREADS": "2"}
     with running_server(env) as url:

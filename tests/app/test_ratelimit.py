@@ -1,4 +1,4 @@
-"""Per-client rate limits (app/ratelimit.py) on both storages: this process's memory, and a
+"""Per-client rate limits (app/storage/ratelimit.py) on both storages: this process's memory, and a
 real Redis server shared by two limiters as two replicas would share it."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from app.metrics import Metrics
-from app.ratelimit import ClientLimits, RateLimited, RateLimiter, client_id
+from app.observability.metrics import Metrics
 from app.settings import KeyLimits, Settings
+from app.storage.ratelimit import ClientLimits, RateLimited, RateLimiter, client_id
 from tests.factories import DOC, assert_error, sample, start
 
 ALICE = client_id(None, "10.0.0.1")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.segmentation import rejoin, segment, sentences
+from app.formats.segmentation import rejoin, segment, sentences
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from model.data import read_lines
+from model.training.data import read_lines
 from tests.conftest import SHIPPED, require
 from tests.helpers import ROOT, free_port, running_server, stop, wait_ready
 
@@ -272,7 +272,7 @@ def test_serve_runs_on_the_allocator_chosen(weights_env: dict[str, str]) -> None
     """``translator serve`` re-executes itself on mimalloc where installed (TRANSLATOR_MALLOC=auto,
     the default; the same process, so the same PID) and stays on glibc when told; /info says
     which serves it, and the process's memory maps agree."""
-    from model.allocator import mimalloc_library
+    from model.engine.allocator import mimalloc_library
 
     require(mimalloc_library() is not None, "mimalloc is not installed (Debian/Ubuntu: apt install libmimalloc2.0)")
     for choice, expected in (("auto", "mimalloc"), ("glibc", "glibc")):
@@ -287,7 +287,7 @@ def test_serve_refuses_to_start_without_the_allocator_it_was_told_to_use(monkeyp
     """TRANSLATOR_MALLOC=mimalloc where mimalloc is missing (simulated): start-up fails with the
     setting and the package to install, before any model loads."""
     from app import cli
-    from model import allocator
+    from model.engine import allocator
 
     monkeypatch.setattr(allocator, "mimalloc_library", lambda: None)
     monkeypatch.setattr(sys, "argv", ["translator", "serve"])

@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.settings import Settings
-from model import checkpoint
-from model.translator import Translator
+from model.engine import loading
+from model.engine.translator import Translator
 from tests.factories import DOC, start
 
 TEXTS = ["Ein Mann fährt mit dem Fahrrad.", "Zwei Hunde spielen im Schnee.", "Eine Frau liest ein Buch im Park."]
@@ -26,10 +26,10 @@ def weights(shipped: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_the_setting_picks_what_a_step_scores(weights: Path, enabled: bool) -> None:
-    ckpt = checkpoint.load(weights / "de-en")
-    table = checkpoint.load_shortlist(weights / "de-en", ckpt.config.tgt_vocab_size) if enabled else None
+    ckpt = loading.load(weights / "de-en")
+    table = loading.load_shortlist(weights / "de-en", ckpt.config.tgt_vocab_size) if enabled else None
     direct = Translator(ckpt.model, ckpt.tokenizer, shortlist=table)
-    options = checkpoint.decoding_options(ckpt.meta)
+    options = loading.decoding_options(ckpt.meta)
     expected = [t.text for t in direct.translate(TEXTS, options)]
     client: TestClient
     for client in start(Settings(weights_dir=weights, shortlist=enabled, cache_size=0)):

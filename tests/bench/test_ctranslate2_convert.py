@@ -11,10 +11,12 @@ import pytest
 
 from bench.ctranslate2_convert import convert, main
 from model import checkpoint
-from model.data import read_lines
-from model.decoding import DecodingOptions, Hypothesis
-from model.tokenizer import Tokenizer
-from model.translator import Translator
+from model.engine import loading
+from model.engine.decoding import Hypothesis
+from model.engine.options import DecodingOptions
+from model.engine.translator import Translator
+from model.network.tokenizer import Tokenizer
+from model.training.data import read_lines
 from tests.factories import random_model
 
 LIMIT = 20  # generated tokens, EOS included, for every sentence
@@ -98,6 +100,6 @@ def test_cli_writes_a_self_describing_int8_model(
     with pytest.raises(FileExistsError, match="--force"):
         main(["--weights", str(tiny_weights_dir / "de-en"), "--out", str(tmp_path / "ct2")])
     ct2 = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", intra_threads=1)
-    tokenizer = checkpoint.load(tiny_weights_dir / "de-en").tokenizer
+    tokenizer = loading.load(tiny_weights_dir / "de-en").tokenizer
     results = ct2.translate_batch([tokenizer.sp.encode(s, out_type=str) for s in sources[:2]], max_decoding_length=8)
     assert all(1 <= len(r.hypotheses[0]) <= 8 for r in results)

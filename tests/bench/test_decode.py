@@ -14,10 +14,11 @@ import pytest
 
 from bench import naive
 from bench.decode import batch_limit, in_length_order, in_streams
-from model.data import read_lines
-from model.decoding import DecodingOptions, max_steps
-from model.tokenizer import Tokenizer
-from model.translator import Translator
+from model.engine.decoding import max_steps
+from model.engine.options import DecodingOptions
+from model.engine.translator import Translator
+from model.network.tokenizer import Tokenizer
+from model.training.data import read_lines
 from tests.factories import random_model
 from tests.helpers import ROOT
 

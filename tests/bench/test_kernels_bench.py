@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from model import fused, kernels
+from model.engine import fused, kernels
+from model.engine.features import detected, fused_variant
 from tests.conftest import require
 from tests.helpers import ROOT
 
@@ -18,10 +19,10 @@ def runnable() -> set[str]:
     it), fbgemm's int8 and, with FMA, the fused kernels' panels and int8 product (where they build: a failure
     in CI)."""
     names = {"aten", "wx"}
-    if kernels.detected().avx2:
+    if detected().avx2:
         names |= {"fbgemm-int8"} | ({"onednn"} if torch.backends.mkldnn.is_available() else set())
-        if kernels.detected().fma:
-            require(fused.load(kernels.fused_variant(kernels.detected())) is not None, "the fused kernels do not build")
+        if detected().fma:
+            require(fused.load(fused_variant(detected())) is not None, "the fused kernels do not build")
             names.add("panels")
             names.add("int8-panels")
     return names
@@ -38,7 +39,7 @@ def test_one_line_per_shape_and_row_count_with_each_runnable_kernel() -> None:
     expected = {f"{name}_us" for name in runnable()}
     for row in rows:
         assert {k for k in row if k.endswith("_us")} == expected and all(row[k] > 0 for k in expected)
-        assert row["isa"] == kernels.detected().isa
+        assert row["isa"] == detected().isa
 
 
 def test_step_mode_times_a_decoder_steps_matrices_per_kernel() -> None:

@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-from model.data import pad, read_lines
-from model.decoding import DecodingOptions
-from model.tokenizer import Tokenizer
-from model.transformer import Transformer
-from model.translator import Translator
+from model.engine.batches import pad
+from model.engine.options import DecodingOptions
+from model.engine.translator import Translator
+from model.network.tokenizer import Tokenizer
+from model.network.transformer import Transformer
+from model.training.data import read_lines
 from tests.conftest import require
 from tests.factories import random_model
 
@@ -89,11 +90,11 @@ def test_saved_folder_reloads_with_transformers_own_position_table(
     """save_pretrained drops the sinusoidal table; transformers rebuilds it, equal to ours."""
     from transformers import MarianMTModel
 
-    from model import checkpoint
+    from model.engine import loading
 
     mc.main(["--weights", str(tiny_weights_dir / "de-en"), "--out", str(tmp_path / "marian")])
     reloaded = MarianMTModel.from_pretrained(str(tmp_path / "marian")).eval()
-    ours = checkpoint.load(tiny_weights_dir / "de-en").model
+    ours = loading.load(tiny_weights_dir / "de-en").model
     src = source_batch(tiny_tokenizer, ["Ein Hund läuft über eine Wiese.", "Zwei Männer."])
     tgt = torch.tensor([[2, 10, 11, 12], [2, 13, 14, 15]])
     with torch.inference_mode():

@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from app.metrics import Metrics
+from app.observability.metrics import Metrics
 from app.settings import Settings
 from tests.conftest import require
 from tests.deploy import dashboard

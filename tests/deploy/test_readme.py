@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from app.routes import router
+from app.http.routes import router
 from tests.deploy import settings_table
 from tests.deploy.readme import api_commands, block_after, readme, section, table_rows
 from tests.deploy.tools import compose_config, find_tool

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from model import kernels
+from model.engine.features import detected, fused_variant
 from tests.conftest import SHIPPED
 from tests.deploy.dockerfile import Replay, exec_form, healthcheck_command, host_env, parse
 from tests.helpers import ROOT, free_port, stop, wait_ready
@@ -131,7 +131,7 @@ def test_image_runs_the_fused_kernels_built_by_the_builder(installed: Installed,
     built = sorted(library.name.split("_")[2] for library in cache.glob("*/translator_step_*.so"))
     assert built == ["avx2", "avx512", "avx512vnni", "baseline"], built
     direction = httpx.get(f"{image_server}/info", timeout=10).json()["directions"][0]
-    assert direction["fused_step"] == kernels.fused_variant(kernels.detected()), direction
+    assert direction["fused_step"] == fused_variant(detected()), direction
 
 
 def test_image_healthcheck_passes_when_ready_and_fails_without_server(installed: Installed, image_server: str) -> None:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from bench.decode import status_kib
-from model import allocator
-from model.allocator import (
+from model.engine import allocator
+from model.engine.allocator import (
     M_MMAP_THRESHOLD,
     M_TRIM_THRESHOLD,
     OWN_PAGES_MIN_BYTES,
@@ -24,6 +24,7 @@ from model.allocator import (
     wanted_malloc,
     zeroed_pages,
 )
+from model.engine.features import detected
 from tests.conftest import ROOT, require
 from tests.helpers import rss_mib
 
@@ -92,7 +93,7 @@ def test_release_free_memory_hands_a_freed_burst_back_to_the_os() -> None:
 
 _BURST = """
 import torch
-from model.allocator import active_malloc, release_free_memory
+from model.engine.allocator import active_malloc, release_free_memory
 from tests.helpers import rss_mib
 release_free_memory()
 base = rss_mib()
@@ -127,7 +128,7 @@ def test_mimalloc_is_preloaded_and_hands_a_freed_burst_back() -> None:
 
 _INTERLEAVED = """
 import ctypes, torch
-from model.allocator import _MI_DECOMMIT_DELAY, freeing_at_once, release_free_memory
+from model.engine.allocator import _MI_DECOMMIT_DELAY, freeing_at_once, release_free_memory
 from tests.helpers import rss_mib
 def churn():
     # as loading does: temporaries freed between blocks that stay (the packed weights)
@@ -160,16 +161,15 @@ def test_memory_freed_while_loading_goes_back_on_mimalloc() -> None:
 
 
 def test_freeing_at_once_runs_the_block_as_it_is_on_glibc() -> None:
-    assert python_on("glibc", "from model.allocator import freeing_at_once\nwith freeing_at_once() as a: print(a)") == [
-        "False"
-    ]
+    code = "from model.engine.allocator import freeing_at_once\nwith freeing_at_once() as a: print(a)"
+    assert python_on("glibc", code) == ["False"]
 
 
 def test_glibc_means_no_preloaded_allocator() -> None:
     assert malloc_env("glibc", {"LD_PRELOAD": "libmimalloc.so.2 /opt/libother.so"})["LD_PRELOAD"] == "/opt/libother.so"
     assert "LD_PRELOAD" not in malloc_env("glibc", {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2", "A": "1"})
     if mimalloc_library() is not None:  # a real process, started with mimalloc preloaded: glibc serves it
-        assert python_on("glibc", "from model.allocator import active_malloc; print(active_malloc())",
+        assert python_on("glibc", "from model.engine.allocator import active_malloc; print(active_malloc())",
                          {"LD_PRELOAD": str(mimalloc_library())}) == ["glibc"]  # fmt: skip
 
 
@@ -205,7 +205,8 @@ def test_the_onednn_caches_are_bounded_unless_the_user_set_them() -> None:
     import subprocess
     import sys
 
-    code = "from model.allocator import bound_onednn_cache as b; import os; print(b(), os.environ[%r], os.environ[%r])"
+    code = "from model.engine.allocator import bound_onednn_cache as b; import os; "
+    code += "print(b(), os.environ[%r], os.environ[%r])"
     code %= ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
     names = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
     env = {k: v for k, v in os.environ.items() if k not in names}
@@ -222,7 +223,7 @@ def test_the_onednn_caches_are_bounded_unless_the_user_set_them() -> None:
 _DESCRIPTOR_CACHE_PROBE = """
 import resource, threading
 import torch
-from model.allocator import bound_onednn_cache, release_free_memory
+from model.engine.allocator import bound_onednn_cache, release_free_memory
 
 bound_onednn_cache()
 torch.set_num_threads(1)
@@ -259,9 +260,7 @@ def test_the_caches_of_onednn_shapes_are_bounded_in_a_model_thread() -> None:
     import subprocess
     import sys
 
-    from model import kernels
-
-    if not (torch.backends.mkldnn.is_available() and kernels.detected().avx2):
+    if not (torch.backends.mkldnn.is_available() and detected().avx2):
         pytest.skip("no oneDNN kernel on this CPU")
     if not release_free_memory():
         pytest.skip("not glibc")
@@ -288,7 +287,7 @@ if first == "torch":
     import torch
 import {package}
 import torch
-from model.allocator import mkl_buffer_pool
+from model.engine.allocator import mkl_buffer_pool
 
 weight = torch.randn(1024, 256)
 for rows in range(8, 2568, 64):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from model.attention_words import merge_map, merge_pieces, word_alignment
+from model.network.attention_words import merge_map, merge_pieces, word_alignment
 
 SOURCE = ["▁Ein", "▁Mann", "▁fährt", "▁Fahr", "rad", ".", "</s>"]
 TARGET_INPUT = ["<s>", "▁A", "▁man", "▁ri", "des", "▁a", "▁bike", "."]

@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from model import fused, kernels
-from model.cache import (
+from model.engine import fused
+from model.engine.cache import (
     FEW_MOVES,
     FIRST_SLOTS,
     CrossAttentionCache,
@@ -19,6 +19,7 @@ from model.cache import (
     Spare,
     move_rows,
 )
+from model.engine.features import detected, fused_variant
 from tests.conftest import require
 from tests.helpers import rss_mib
 
@@ -227,7 +228,7 @@ def test_a_deferred_reorder_is_copied_by_the_step_or_before_anything_reads_the_c
     its own, in layer order: the copies form a chain (a layer's targets are the buffers the
     layer before it reads), so reading the last layer first still gives every layer its history.
     2L + 2 buffers: a deferred copy takes two spares before it hands back its own."""
-    kernels_module = fused.load(kernels.fused_variant(kernels.detected()))
+    kernels_module = fused.load(fused_variant(detected()))
     require(kernels_module is not None, "the fused step kernels do not build here: see the log")
 
     def run_copy(target: SelfAttentionCache, handed: list[torch.Tensor]) -> None:

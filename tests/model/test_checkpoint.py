@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import checkpoint, fused, kernels
+from model import checkpoint
 from model.checkpoint import CheckpointError
-from model.decoding import DecodingOptions
-from model.tokenizer import Tokenizer
-from model.transformer import Transformer
-from model.translator import Translator
+from model.engine import fused, kernels, loading
+from model.engine.features import detected, fused_variant
+from model.engine.options import DecodingOptions
+from model.engine.translator import Translator
+from model.network.tokenizer import Tokenizer
+from model.network.transformer import Transformer
 from tests.conftest import require
 from tests.factories import PACKED_FEATURES, packed_plan, tiny_config
 
@@ -32,7 +34,7 @@ def test_round_trip_gives_identical_outputs(tmp_path: Path, tiny_tokenizer: Toke
     torch.manual_seed(0)
     model = Transformer(tiny_config(tiny_tokenizer.vocab_size)).eval()
     checkpoint.save(tmp_path / "c", model, tiny_tokenizer, {"source_lang": "de", "target_lang": "en"})
-    loaded = checkpoint.load(tmp_path / "c", keep_float_weights=True)
+    loaded = loading.load(tmp_path / "c", keep_float_weights=True)
     src = torch.tensor([[5, 6, 7, 3]])
     tgt = torch.tensor([[2, 8, 9]])
     torch.testing.assert_close(loaded.model(src, tgt), model(src, tgt), atol=0, rtol=0)
@@ -49,7 +51,7 @@ def test_round_trip_gives_identical_outputs(tmp_path: Path, tiny_tokenizer: Toke
 def test_a_model_loaded_for_inference_is_not_saved_half_released(tmp_path: Path, tiny_weights_dir: Path) -> None:
     """Where the layers' float weights were released at load, saving says so and how to keep
     them, instead of writing a checkpoint without them."""
-    ckpt = checkpoint.load(tiny_weights_dir / "de-en", features=PACKED_FEATURES)
+    ckpt = loading.load(tiny_weights_dir / "de-en", features=PACKED_FEATURES)
     if not any(p.is_meta for p in ckpt.model.parameters()):
         pytest.skip(f"{ckpt.plan.describe()}: nothing released on this CPU")
     with pytest.raises(CheckpointError, match="keep_float_weights=True"):
@@ -58,12 +60,12 @@ def test_a_model_loaded_for_inference_is_not_saved_half_released(tmp_path: Path,
 
 
 def test_fp16_storage_halves_the_file(tmp_path: Path, tiny_weights_dir: Path) -> None:
-    ckpt = checkpoint.load(tiny_weights_dir / "de-en", keep_float_weights=True)
+    ckpt = loading.load(tiny_weights_dir / "de-en", keep_float_weights=True)
     checkpoint.save(tmp_path / "h", ckpt.model, ckpt.tokenizer, ckpt.meta, dtype=torch.float16)
     full = (tiny_weights_dir / "de-en" / checkpoint.WEIGHTS).stat().st_size
     half = (tmp_path / "h" / checkpoint.WEIGHTS).stat().st_size
     assert half < 0.6 * full
-    assert checkpoint.load(tmp_path / "h", keep_float_weights=True).model.src_embed.tokens.weight.dtype == torch.float32
+    assert loading.load(tmp_path / "h", keep_float_weights=True).model.src_embed.tokens.weight.dtype == torch.float32
 
 
 @pytest.mark.parametrize("precision", ["float32", "int8"])
@@ -95,8 +97,8 @@ def test_inference_reads_the_embeddings_once_and_in_float16_where_exact(
     model = Transformer(tiny_config(tiny_tokenizer.vocab_size, share_embeddings=tied)).eval()
     checkpoint.save(tmp_path / "c", model, tiny_tokenizer, {"source_lang": "de", "target_lang": "en"}, dtype=stored)
     same = {"precision": precision, "features": PACKED_FEATURES, "fused": False}
-    full = checkpoint.load(tmp_path / "c", **same, keep_float_weights=True).model
-    lean = checkpoint.load(tmp_path / "c", **same).model
+    full = loading.load(tmp_path / "c", **same, keep_float_weights=True).model
+    lean = loading.load(tmp_path / "c", **same).model
 
     assert kernels.is_packed(lean.kernel)
     assert (lean.output is None) == tied and (tied or lean.output_matrix().is_meta)
@@ -121,7 +123,7 @@ def test_float32_layers_where_mkl_would_run_keep_only_their_panels(tmp_path: Pat
     shortlist gathers them); logits match the kept float weights' to float rounding (those run
     other products at some row counts) and translations are the same; with gradients a released
     layer refuses to run."""
-    features = replace(kernels.detected(), intel=True)
+    features = replace(detected(), intel=True)
     if not features.avx2:
         pytest.skip("the fused kernels have no panels without AVX2 and FMA")
     plan = kernels.choose("cpu", "float32", features)
@@ -129,8 +131,8 @@ def test_float32_layers_where_mkl_would_run_keep_only_their_panels(tmp_path: Pat
     torch.manual_seed(3)
     model = Transformer(tiny_config(tiny_tokenizer.vocab_size, share_embeddings=True)).eval()
     checkpoint.save(tmp_path / "c", model, tiny_tokenizer, {"source_lang": "de", "target_lang": "en"})
-    full = checkpoint.load(tmp_path / "c", features=features, keep_float_weights=True).model
-    lean = checkpoint.load(tmp_path / "c", features=features).model
+    full = loading.load(tmp_path / "c", features=features, keep_float_weights=True).model
+    lean = loading.load(tmp_path / "c", features=features).model
     layers = [lean.encoder_layers[0].self_attn.qkv, lean.decoder_layers[1].ff.fc2, lean.decoder_layers[0].cross_attn.kv]
     for layer in layers:
         assert isinstance(layer.kernel, kernels.PackedPanels) and kernels.is_packed(layer.kernel)
@@ -151,7 +153,7 @@ def test_float32_layers_where_mkl_would_run_keep_only_their_panels(tmp_path: Pat
 def test_large_weights_are_written_in_shards_under_the_limit(
     tmp_path: Path, tiny_weights_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ckpt = checkpoint.load(tiny_weights_dir / "de-en", keep_float_weights=True)
+    ckpt = loading.load(tiny_weights_dir / "de-en", keep_float_weights=True)
     whole = (tiny_weights_dir / "de-en" / checkpoint.WEIGHTS).stat().st_size
     monkeypatch.setattr(checkpoint, "SHARD_BYTES", whole // 3)
     folder = checkpoint.save(tmp_path / "s", ckpt.model, ckpt.tokenizer, ckpt.meta)
@@ -162,12 +164,12 @@ def test_large_weights_are_written_in_shards_under_the_limit(
     ]
     biggest = max(t.numel() * t.element_size() for t in checkpoint.unique_state(ckpt.model).values())
     assert all(p.stat().st_size <= max(whole // 3, biggest) + 4096 for p in shards)  # (+ the header)
-    loaded = checkpoint.load(folder, keep_float_weights=True)
+    loaded = loading.load(folder, keep_float_weights=True)
     for name, tensor in checkpoint.unique_state(ckpt.model).items():
         torch.testing.assert_close(checkpoint.unique_state(loaded.model)[name], tensor, atol=0, rtol=0)
     (shards[1]).unlink()  # a missing shard: the names no longer match
     with pytest.raises(CheckpointError, match="missing"):
-        checkpoint.load(folder)
+        loading.load(folder)
     monkeypatch.setattr(checkpoint, "SHARD_BYTES", 15 * 2**20)  # saved again in one file: the shards go
     checkpoint.save(folder, ckpt.model, ckpt.tokenizer, ckpt.meta)
     assert checkpoint.weight_files(folder) == [folder / checkpoint.WEIGHTS]
@@ -187,7 +189,7 @@ def test_broken_files_give_clear_errors(tmp_path: Path, tiny_weights_dir: Path, 
     folder = copy_of(tiny_weights_dir / "de-en", tmp_path)
     breakage(folder)
     with pytest.raises(CheckpointError, match=message):
-        checkpoint.load(folder)
+        loading.load(folder)
 
 
 def test_mismatched_config_gives_clear_error(tmp_path: Path, tiny_weights_dir: Path) -> None:
@@ -196,29 +198,29 @@ def test_mismatched_config_gives_clear_error(tmp_path: Path, tiny_weights_dir: P
     meta["model"]["d_ff"] = 128
     (folder / "config.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="shapes do not match"):
-        checkpoint.load(folder)
+        loading.load(folder)
     meta["model"]["d_ff"] = 64
     meta["model"]["decoder_layers"] = 3
     (folder / "config.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="missing"):
-        checkpoint.load(folder)
+        loading.load(folder)
     meta["model"]["decoder_layers"] = 2
     meta["model"]["n_heads"] = 5
     (folder / "config.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="divisible"):
-        checkpoint.load(folder)
+        loading.load(folder)
 
 
 def test_missing_folder(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not found"):
-        checkpoint.load(tmp_path / "nope")
+        loading.load(tmp_path / "nope")
 
 
 def test_a_many_to_many_card_may_recommend_a_length_penalty_per_direction(tmp_path: Path) -> None:
     """``[decoding.length_penalty_by_direction]`` in a training config reaches config.json, and
-    the options built for a direction (the service's and model.evaluate's) take its entry;
+    the options built for a direction (the service's and model.training.evaluate's) take its entry;
     other directions keep the card's length penalty."""
-    from model.train_config import load_train_config
+    from model.training.config import load_train_config
 
     config = tmp_path / "m2m.toml"
     config.write_text(
@@ -227,11 +229,11 @@ def test_a_many_to_many_card_may_recommend_a_length_penalty_per_direction(tmp_pa
     )
     decoding = load_train_config(config).decoding
     assert decoding.length_penalty_by_direction == {"cs-en": 0.6, "de-fr": 2.2}
-    meta = {"decoding": json.loads(json.dumps(decoding.__dict__))}  # as model.train writes config.json
-    assert checkpoint.decoding_options(meta, direction="cs-en").length_penalty == 0.6
-    assert checkpoint.decoding_options(meta, 2, direction="de-fr") == DecodingOptions(beam_size=2, length_penalty=2.2)
-    assert checkpoint.decoding_options(meta, direction="fr-de").length_penalty == 1.4
-    assert checkpoint.decoding_options(meta).length_penalty == 1.4
+    meta = {"decoding": json.loads(json.dumps(decoding.__dict__))}  # as model.training.train writes config.json
+    assert loading.decoding_options(meta, direction="cs-en").length_penalty == 0.6
+    assert loading.decoding_options(meta, 2, direction="de-fr") == DecodingOptions(beam_size=2, length_penalty=2.2)
+    assert loading.decoding_options(meta, direction="fr-de").length_penalty == 1.4
+    assert loading.decoding_options(meta).length_penalty == 1.4
     assert checkpoint.recommended_decoding(meta, "cs-en") == {
         "beam_size": 5, "length_penalty": 0.6, "max_length_a": 1.5, "max_length_b": 10
     }  # fmt: skip
@@ -244,16 +246,16 @@ def test_a_plan_on_panels_whose_kernels_fail_to_build_is_made_again_without_them
     """A compiler that is there but fails (``CXX=false``, an empty extension cache): float32 is
     planned on panels, the load finds the kernels did not build (logged), plans again as without
     them (oneDNN, or MKL on Intel CPUs) and translates; no layer is left on panels."""
-    require(kernels.detected().avx2 and kernels.detected().fma, "no panels without AVX2 and FMA")
+    require(detected().avx2 and detected().fma, "no panels without AVX2 and FMA")
     false = shutil.which("false")
     require(false is not None, "no `false` program")
     monkeypatch.setattr(fused, "_loaded", {})  # nothing built in this process
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     monkeypatch.setenv("CXX", str(false))
     assert kernels.choose("cpu", "float32").kernel == "panels"
-    ckpt = checkpoint.load(tiny_weights_dir / "de-en")
+    ckpt = loading.load(tiny_weights_dir / "de-en")
     assert ckpt.plan == kernels.choose("cpu", "float32", fused=False) and ckpt.plan.kernel in ("onednn", "aten")
-    assert ckpt.model.fused_step is None and not fused.buildable(kernels.fused_variant(kernels.detected()))
+    assert ckpt.model.fused_step is None and not fused.buildable(fused_variant(detected()))
     assert not any(isinstance(getattr(m, "kernel", None), kernels.PackedPanels) for m in ckpt.model.modules())
     out = Translator(ckpt.model, ckpt.tokenizer).decode_ids([[5, 6, 7]], DecodingOptions(beam_size=2))
     assert out[0][0].ids

@@ -6,9 +6,10 @@ import time
 
 import torch
 
-from model.decoding import DecodingOptions, decode
-from model.train import inverse_sqrt_schedule, smoothed_loss
-from model.transformer import Transformer
+from model.engine.decoding import decode
+from model.engine.options import DecodingOptions
+from model.network.transformer import Transformer
+from model.training.train import inverse_sqrt_schedule, smoothed_loss
 from tests.factories import tiny_config
 
 V, LENGTH, BOS, EOS = 14, 10, 2, 3  # symbols are ids 4..13

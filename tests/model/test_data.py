@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.data import make_batch, pad, token_batches, write_lines
+from model.engine.batches import pad, token_batches
+from model.training.data import make_batch, write_lines
 
 LENGTHS = [5, 3, 9, 3, 7, 1, 12, 4]
 

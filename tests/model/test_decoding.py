@@ -6,13 +6,15 @@ import pytest
 import torch
 
 from bench import naive
-from model import fused, kernels
-from model.beams import TOP_K_BLOCK, top_k
-from model.cache import Spare
-from model.data import pad
-from model.decoding import DecodeSession, DecodingOptions, decode, decode_stream
-from model.step import DecoderStep, EncoderPass
-from model.transformer import Transformer
+from model.engine import fused
+from model.engine.batches import pad
+from model.engine.beams import TOP_K_BLOCK, top_k
+from model.engine.cache import Spare, init_cache
+from model.engine.decoding import DecodeSession, decode, decode_stream
+from model.engine.features import detected, fused_variant
+from model.engine.options import DecodingOptions
+from model.engine.step import DecoderStep, EncoderPass
+from model.network.transformer import Transformer
 from tests.conftest import require
 from tests.factories import V, assert_steps_match
 from tests.factories import make_model as make_plain_model
@@ -21,14 +23,14 @@ from tests.factories import make_model as make_plain_model
 BIG_V = 40 * TOP_K_BLOCK + 17
 
 
-STEP_KERNELS = kernels.fused_variant(kernels.detected())
+STEP_KERNELS = fused_variant(detected())
 _kernels_of_this_run: dict[str, str | None] = {"variant": None}
 
 
 @pytest.fixture(autouse=True, params=["tensor-ops", "fused"])
 def step_kernels(request: pytest.FixtureRequest) -> str | None:
     """Every test here twice: the decoder step and beam bookkeeping on torch's tensor operations,
-    and on the fused kernels (``model.fused``) this CPU runs."""
+    and on the fused kernels (``model.engine.fused``) this CPU runs."""
     variant = None
     if request.param == "fused":
         require(fused.load(STEP_KERNELS) is not None, f"the fused step kernels ({STEP_KERNELS}) do not build here")
@@ -67,7 +69,7 @@ def test_top_k_matches_torch_topk(columns: int, k: int) -> None:
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
 def test_cached_steps_match_full_recomputation(norm_first: bool, positions: str, inference: bool) -> None:
-    """The incremental step (``model.step``, on the KV cache, padded sources) = the modules'
+    """The incremental step (``model.engine.step``, on the KV cache, padded sources) = the modules'
     teacher-forced pass, with the weights bound to the CPU's kernels (inference mode, what
     decoding runs) and through the modules' linears (grad enabled)."""
     model = make_model(norm_first=norm_first, positions=positions)
@@ -110,8 +112,8 @@ def test_the_encoder_pass_encodes_a_long_batch_in_groups_of_sentences(
     encoder's (float32: to rounding; int8 quantizes each group's activations with a scale of
     its own where fbgemm runs them, so both are as close to the float32 encoder as int8 gets; the
     fused kernels' int8 product quantizes each row apart, and then the two are equal)."""
-    from model import kernels
-    from model import step as step_module
+    from model.engine import kernels
+    from model.engine import step as step_module
 
     model = make_model(seed=5)
     src = pad(sources(7, seed=4, min_len=20, max_len=30), 0)  # (7, S), 21 <= S <= 31
@@ -162,7 +164,7 @@ def test_a_step_with_beams_and_late_rows_matches_each_row_alone(step_kernels: st
         memory, mask, _ = model.encode(src)
         width = 3
         full = model.decode(history, memory.repeat_interleave(width, 0), mask.repeat_interleave(width, 0))[0]
-        cache = model.init_cache(memory, capacity=8)
+        cache = init_cache(model, memory, capacity=8)
         cache.reorder(torch.arange(2).repeat_interleave(width), width=width)
         step = DecoderStep(model)
         assert (step.fused is None) == (step_kernels is None)

@@ -1,4 +1,4 @@
-"""model.distill: a shipped model's translations of a training file, one per line, in order."""
+"""model.training.distill: a shipped model's translations of a training file, one per line, in order."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from model import checkpoint, distill
-from model.data import read_lines
-from model.translator import Translator
+from model.engine import loading
+from model.engine.translator import Translator
+from model.training import distill
+from model.training.data import read_lines
 
 
 def test_distill_writes_the_models_translations_line_by_line(
@@ -21,8 +22,8 @@ def test_distill_writes_the_models_translations_line_by_line(
     summary = json.loads(capsys.readouterr().out)
     assert summary["direction"] == "de-en" and summary["sentences"] == 6 and summary["beam_size"] == 2
     lines = read_lines(out)
-    ckpt = checkpoint.load(shipped)
-    options = checkpoint.decoding_options(ckpt.meta, 2)
+    ckpt = loading.load(shipped)
+    options = loading.decoding_options(ckpt.meta, 2)
     expected = Translator(ckpt.model, ckpt.tokenizer).translate(read_lines(data_dir / "val.de.gz")[:6], options)
     assert lines == [t.text for t in expected]
     assert all(lines) and not list(out.parent.glob("*.tmp"))

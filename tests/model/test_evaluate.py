@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import sacrebleu
 
-from model.evaluate import score_translations
+from model.engine.features import detected
+from model.training.evaluate import score_translations
 from tests.helpers import ROOT
 
 # Lowercased BLEU of each shipped model on the first 100 sentences of test_2016 (greedy, then beam 5
 # at the model card's length penalty), measured when it was shipped; a drop of 2.5 points fails.
 # Keyed by weights folder and direction: every per-direction model, and the many-to-many model in each
-# direction it serves (where its val score beats the per-direction model's: app.service.assign_directions).
+# direction it serves (where its val score beats the per-direction model's: app.serving.service.assign_directions).
 # Full-test scores: weights/<folder>/metrics.json and README.md.
 FIRST_100 = {
     ("de-en", "de-en"): (39.52, 39.92),
@@ -52,7 +53,7 @@ def test_scores_are_sacrebleu_corpus_scores() -> None:
 
 
 def test_every_served_direction_has_a_floor() -> None:
-    from app.service import assign_directions, discover
+    from app.serving.service import assign_directions, discover
 
     paths = discover(ROOT / "weights")
     served = {(path.name, f"{s}-{t}") for path, pairs in assign_directions(paths).items() for s, t in pairs or []}
@@ -65,7 +66,8 @@ def test_every_served_direction_has_a_floor() -> None:
 @pytest.mark.parametrize(("folder", "direction"), sorted(FIRST_100))
 def test_shipped_weights_score_above_the_floor(folder: str, direction: str, data_dir: Path, beam: int) -> None:
     source, target = direction.split("-")
-    cmd = [sys.executable, "-m", "model.evaluate", "--weights", str(ROOT / "weights" / folder), "--limit", "100"]
+    cmd = [sys.executable, "-m", "model.training.evaluate", "--weights", str(ROOT / "weights" / folder)]
+    cmd += ["--limit", "100"]
     cmd += ["--direction", direction, "--src", str(data_dir / f"test_2016_flickr.{source}.gz")]
     cmd += ["--ref", str(data_dir / f"test_2016_flickr.{target}.gz")]
     cmd += ["--beam-size", str(beam), "--threads", "2"]
@@ -83,13 +85,12 @@ def test_shipped_weights_score_above_the_floor(folder: str, direction: str, data
 @pytest.mark.slow
 def test_int8_scores_within_0_3_bleu_of_float32(shipped: Path, data_dir: Path) -> None:
     """int8 (fbgemm, per-channel weights, dynamic activations) against float32 on all of test_2016, greedy."""
-    from model import kernels
 
-    if not kernels.detected().avx2:
+    if not detected().avx2:
         pytest.skip("int8 needs AVX2 (this CPU refuses it, as tests/model/test_kernels.py checks)")
     scores = {}
     for dtype in ("float32", "int8"):
-        cmd = [sys.executable, "-m", "model.evaluate", "--weights", str(shipped), "--beam-size", "1"]
+        cmd = [sys.executable, "-m", "model.training.evaluate", "--weights", str(shipped), "--beam-size", "1"]
         cmd += ["--src", str(data_dir / "test_2016_flickr.de.gz"), "--ref", str(data_dir / "test_2016_flickr.en.gz")]
         cmd += ["--threads", "2", "--dtype", dtype]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
@@ -104,12 +105,12 @@ def test_int8_scores_within_0_3_bleu_of_float32(shipped: Path, data_dir: Path) -
 def test_then_scores_a_pivot_through_the_first_checkpoints_output(data_dir: Path) -> None:
     """--then: de-en's output is en-fr's input; the score is that of chaining the two translators,
     each with its own card's settings, against the French references."""
-    from model import checkpoint
-    from model.data import read_lines
-    from model.evaluate import translate_all
-    from model.translator import Translator
+    from model.engine import loading
+    from model.engine.translator import Translator
+    from model.training.data import read_lines
+    from model.training.evaluate import translate_all
 
-    cmd = [sys.executable, "-m", "model.evaluate", "--weights", str(ROOT / "weights/de-en")]
+    cmd = [sys.executable, "-m", "model.training.evaluate", "--weights", str(ROOT / "weights/de-en")]
     cmd += ["--then", str(ROOT / "weights/en-fr"), "--split", "test_2016_flickr", "--data-dir", str(data_dir)]
     cmd += ["--limit", "20", "--beam-size", "1", "--threads", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
@@ -117,8 +118,8 @@ def test_then_scores_a_pivot_through_the_first_checkpoints_output(data_dir: Path
     result = json.loads(proc.stdout.splitlines()[-1])
     text = read_lines(data_dir / "test_2016_flickr.de.gz")[:20]
     for direction in ("de-en", "en-fr"):
-        ckpt = checkpoint.load(ROOT / "weights" / direction)
-        text = translate_all(Translator(ckpt.model, ckpt.tokenizer), text, checkpoint.decoding_options(ckpt.meta, 1))
+        ckpt = loading.load(ROOT / "weights" / direction)
+        text = translate_all(Translator(ckpt.model, ckpt.tokenizer), text, loading.decoding_options(ckpt.meta, 1))
     expected = score_translations(text, read_lines(data_dir / "test_2016_flickr.fr.gz")[:20])
     assert result["sentences"] == 20 and result["bleu"] == expected["bleu"] > 20
     # legs that do not meet (de-en, then fr-en) are refused, naming both languages
@@ -132,23 +133,24 @@ def test_length_penalty_and_hypotheses_options(tmp_path: Path, data_dir: Path) -
     which are those of the same decoding in process and score as printed."""
     import dataclasses
 
-    from model import checkpoint
-    from model.data import read_lines
-    from model.evaluate import translate_all
-    from model.translator import Translator
+    from model.engine import loading
+    from model.engine.translator import Translator
+    from model.training.data import read_lines
+    from model.training.evaluate import translate_all
 
-    ckpt = checkpoint.load(ROOT / "weights/de-en")
+    ckpt = loading.load(ROOT / "weights/de-en")
     src = read_lines(data_dir / "val.de.gz")[:12]
     ref = read_lines(data_dir / "val.en.gz")[:12]
     for alpha in (0.0, 3.0):
         out = tmp_path / f"hyps-{alpha}.txt"
-        cmd = [sys.executable, "-m", "model.evaluate", "--weights", str(ROOT / "weights/de-en"), "--split", "val"]
+        cmd = [sys.executable, "-m", "model.training.evaluate", "--weights", str(ROOT / "weights/de-en")]
+        cmd += ["--split", "val"]
         cmd += ["--data-dir", str(data_dir), "--limit", "12", "--beam-size", "3", "--threads", "1", "--no-shortlist"]
         cmd += ["--length-penalty", str(alpha), "--hypotheses", str(out)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
         assert proc.returncode == 0, proc.stderr[-3000:]
         result = json.loads(proc.stdout.splitlines()[-1])
-        options = dataclasses.replace(checkpoint.decoding_options(ckpt.meta, 3), length_penalty=alpha)
+        options = dataclasses.replace(loading.decoding_options(ckpt.meta, 3), length_penalty=alpha)
         expected = translate_all(Translator(ckpt.model, ckpt.tokenizer), src, options)
         assert result["length_penalty"] == alpha and read_lines(out) == expected
         assert result["bleu"] == score_translations(expected, ref)["bleu"]

@@ -1,4 +1,4 @@
-"""The fused decoder-step kernels (model/fused.py, model/csrc/step_kernels.cpp): chosen from
+"""The fused decoder-step kernels (model/engine/fused.py, model/csrc/step_kernels.cpp): chosen from
 the CPU's features, built here for real, and giving the tensor operations' results."""
 
 from __future__ import annotations
@@ -15,21 +15,32 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import checkpoint, fused, kernels
-from model.beams import Beams
-from model.data import pad
-from model.decoding import DecodeSession, DecodingOptions, Hypothesis, decode_stream
-from model.shortlist import ShortlistColumns
-from model.step import DecoderStep, EncoderPass, bound_passes
-from model.transformer import Transformer
-from model.translator import Translator
+from model.engine import fused, kernels, loading
+from model.engine.batches import pad
+from model.engine.beams import Beams
+from model.engine.decoding import DecodeSession, Hypothesis, decode_stream
+from model.engine.features import (
+    AVX2_ONLY,
+    AVX512_BF16,
+    AVX512_NO_VNNI,
+    BASELINE,
+    CpuFeatures,
+    detected,
+    fused_variant,
+    runnable_variants,
+)
+from model.engine.options import DecodingOptions
+from model.engine.shortlist import ShortlistColumns
+from model.engine.step import DecoderStep, EncoderPass, bound_passes
+from model.engine.translator import Translator
+from model.network.transformer import Transformer
 from tests.conftest import ROOT, require
 from tests.factories import V, assert_steps_match, make_model
 from tests.model.test_decoding import sources
 
-HERE = kernels.detected()
+HERE = detected()
 # every variant this CPU can run: its own and the narrower ones
-RUNNABLE = kernels.runnable_variants(HERE)
+RUNNABLE = runnable_variants(HERE)
 EVERY = torch.empty(0, dtype=torch.long)  # the kernels' row maps: every row, in order
 
 
@@ -40,17 +51,17 @@ def built(variant: str) -> str:
 
 
 def test_the_variant_follows_the_cpu_features_and_the_isa_caps() -> None:
-    assert kernels.fused_variant(kernels.AVX512_BF16) == "avx512vnni"
-    assert kernels.fused_variant(kernels.AVX512_NO_VNNI) == "avx512"
-    assert kernels.fused_variant(kernels.AVX2_ONLY) == "avx2"
-    assert kernels.fused_variant(replace(kernels.AVX2_ONLY, fma=False)) == "baseline"
-    assert kernels.fused_variant(kernels.BASELINE) == "baseline"
-    capped = kernels.AVX512_BF16.capped({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
-    assert kernels.fused_variant(capped) == "avx2"
-    assert kernels.runnable_variants(kernels.AVX512_BF16) == ["avx2", "avx512", "avx512vnni", "baseline"]
-    assert kernels.runnable_variants(kernels.AVX512_NO_VNNI) == ["avx2", "avx512", "baseline"]
-    assert kernels.runnable_variants(kernels.AVX2_ONLY) == ["avx2", "baseline"]
-    assert kernels.runnable_variants(kernels.BASELINE) == ["baseline"]
+    assert fused_variant(AVX512_BF16) == "avx512vnni"
+    assert fused_variant(AVX512_NO_VNNI) == "avx512"
+    assert fused_variant(AVX2_ONLY) == "avx2"
+    assert fused_variant(replace(AVX2_ONLY, fma=False)) == "baseline"
+    assert fused_variant(BASELINE) == "baseline"
+    capped = AVX512_BF16.capped({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert fused_variant(capped) == "avx2"
+    assert runnable_variants(AVX512_BF16) == ["avx2", "avx512", "avx512vnni", "baseline"]
+    assert runnable_variants(AVX512_NO_VNNI) == ["avx2", "avx512", "baseline"]
+    assert runnable_variants(AVX2_ONLY) == ["avx2", "baseline"]
+    assert runnable_variants(BASELINE) == ["baseline"]
 
 
 def test_plans_with_float32_activations_name_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,40 +69,37 @@ def test_plans_with_float32_activations_name_the_kernels(monkeypatch: pytest.Mon
     by argument or by ``TRANSLATOR_FUSED_STEP``."""
     monkeypatch.delenv(fused.ENV, raising=False)
     for precision in ("float32", "int8"):
-        plan = kernels.choose("cpu", precision, kernels.AVX2_ONLY, engines=["fbgemm"])
+        plan = kernels.choose("cpu", precision, AVX2_ONLY, engines=["fbgemm"])
         assert plan.fused == "avx2" and "fused step kernels (avx2)" in plan.describe()
-        assert kernels.choose("cpu", precision, kernels.AVX2_ONLY, engines=["fbgemm"], fused=False).fused is None
+        assert kernels.choose("cpu", precision, AVX2_ONLY, engines=["fbgemm"], fused=False).fused is None
     # which int8 products the kernels take, by the CPU's features: every row count on AVX2 and on
     # AVX-512 with VNNI, few on AVX-512 without it
     int8_rows = {
         features: kernels.choose("cpu", "int8", features, engines=["fbgemm"]).describe()
-        for features in (kernels.AVX2_ONLY, kernels.AVX512_BF16, kernels.AVX512_NO_VNNI)
+        for features in (AVX2_ONLY, AVX512_BF16, AVX512_NO_VNNI)
     }
-    assert "int8 products on the fused kernels (every row count)" in int8_rows[kernels.AVX2_ONLY]
+    assert "int8 products on the fused kernels (every row count)" in int8_rows[AVX2_ONLY]
     assert (
         "fused step kernels (avx512vnni), int8 products on the fused kernels (every row count)"
-        in int8_rows[kernels.AVX512_BF16]
+        in int8_rows[AVX512_BF16]
     )
     assert (
         "fused step kernels (avx512), int8 products on the fused kernels (up to 16 rows, fbgemm beyond)"
-        in int8_rows[kernels.AVX512_NO_VNNI]
+        in int8_rows[AVX512_NO_VNNI]
     )
-    assert (
-        "int8 products"
-        not in kernels.choose("cpu", "int8", kernels.AVX2_ONLY, engines=["fbgemm"], fused=False).describe()
-    )
-    assert "int8 products" not in kernels.choose("cpu", "float32", kernels.AVX2_ONLY).describe()
+    assert "int8 products" not in kernels.choose("cpu", "int8", AVX2_ONLY, engines=["fbgemm"], fused=False).describe()
+    assert "int8 products" not in kernels.choose("cpu", "float32", AVX2_ONLY).describe()
     assert kernels.int8_products("int8", "avx2") == "fused kernels (every row count)"
     assert kernels.int8_products("int8", "avx512") == "fused kernels (up to 16 rows, fbgemm beyond)"
     assert kernels.int8_products("int8", "avx512vnni") == "fused kernels (every row count)"
     assert kernels.int8_products("int8", None) == kernels.int8_products("int8", "baseline") == "fbgemm"
     assert kernels.int8_products("float32", "avx2") is None
     for precision in ("bfloat16", "float16"):
-        assert kernels.choose("cpu", precision, kernels.AVX512_BF16).fused is None
+        assert kernels.choose("cpu", precision, AVX512_BF16).fused is None
     assert kernels.choose("cuda", "float32").fused is None
     for off in ("off", "0", "false"):
         monkeypatch.setenv(fused.ENV, off)
-        assert kernels.choose("cpu", "float32", kernels.AVX512_BF16).fused is None
+        assert kernels.choose("cpu", "float32", AVX512_BF16).fused is None
 
 
 @pytest.mark.parametrize("variant", RUNNABLE)
@@ -470,15 +478,15 @@ def test_int8_plans_keep_the_kv_cache_in_float16_where_the_kernels_convert(monke
     """int8 on the AVX2 and AVX-512 builds with F16C: a float16 KV cache; float32 never; nor
     without F16C, on the baseline build, or without the fused kernels (which alone read it)."""
     monkeypatch.delenv(fused.ENV, raising=False)
-    for cpu in (kernels.AVX2_ONLY, kernels.AVX512_BF16):
+    for cpu in (AVX2_ONLY, AVX512_BF16):
         plan = kernels.choose("cpu", "int8", cpu, engines=["fbgemm"])
         assert plan.kv_dtype == torch.float16 and "float16 KV cache" in plan.describe()
         assert kernels.choose("cpu", "float32", cpu).kv_dtype is None
         assert kernels.choose("cpu", "int8", replace(cpu, f16c=False), engines=["fbgemm"]).kv_dtype is None
         assert kernels.choose("cpu", "int8", cpu, engines=["fbgemm"], fused=False).kv_dtype is None
-    assert kernels.kv_cache_dtype("int8", "baseline", kernels.AVX2_ONLY) is None
-    assert kernels.CpuFeatures.from_flags(["avx2", "fma", "f16c"]).f16c
-    assert not kernels.CpuFeatures.from_flags(["avx2", "fma"]).f16c
+    assert kernels.kv_cache_dtype("int8", "baseline", AVX2_ONLY) is None
+    assert CpuFeatures.from_flags(["avx2", "fma", "f16c"]).f16c
+    assert not CpuFeatures.from_flags(["avx2", "fma"]).f16c
 
 
 def test_the_cache_reorder_copies_what_index_select_does() -> None:
@@ -776,8 +784,8 @@ def test_the_shipped_model_translates_the_same_on_both_paths(shipped: Path, data
     """The shipped de-en model, 48 test sentences in batches of 16 (beam 4 and greedy): the same
     translations with the fused kernels as with the tensor operations, scores within rounding
     (int8: within its per-call activation scales)."""
-    variant = built(kernels.fused_variant(HERE))
-    ckpt = checkpoint.load(shipped, "cpu", precision)
+    variant = built(fused_variant(HERE))
+    ckpt = loading.load(shipped, "cpu", precision)
     assert ckpt.plan.fused == variant and ckpt.model.fused_step == variant
     # int8: the fused path's KV cache is float16 where the CPU converts with F16C, float32 on the tensor operations'
     half = precision == "int8" and HERE.f16c and variant != "baseline"
@@ -785,7 +793,7 @@ def test_the_shipped_model_translates_the_same_on_both_paths(shipped: Path, data
     with torch.inference_mode():  # the memory's K/V, which the self-attention cache takes its dtype from
         (k, v), *_ = bound_passes(ckpt.model)[1].project_memory(torch.randn(2, 5, ckpt.model.config.d_model))
     assert k.dtype == v.dtype == (torch.float16 if half else torch.float32)
-    translator = Translator(ckpt.model, ckpt.tokenizer, (), checkpoint.use_shortlist(ckpt))
+    translator = Translator(ckpt.model, ckpt.tokenizer, (), loading.use_shortlist(ckpt))
     with gzip.open(data_dir / "test_2016_flickr.de.gz", "rt") as f:
         ids = translator.encode([next(f).strip() for _ in range(48)])
     for beam in (4, 1):
@@ -829,7 +837,7 @@ def test_sentences_joining_a_fused_batch_decode_as_if_alone() -> None:
     """Continuous batching on the fused kernels: sentences admitted while others decode get
     what they get decoded alone."""
     model = make_model(seed=5)
-    model.fused_step = built(kernels.fused_variant(HERE))
+    model.fused_step = built(fused_variant(HERE))
     options = DecodingOptions(beam_size=3, max_length_b=6)
     first, later = pad(sources(3, seed=11), 0), pad(sources(2, seed=12), 0)
     alone = {}
@@ -848,7 +856,7 @@ def test_a_sentence_joining_a_beam_batch_decodes_one_row_at_its_first_step(monke
     but one); its first step computes the first only, and from then on all K. (What it decodes is
     what it decodes alone: the test above.)"""
     model = make_model(seed=5)
-    model.fused_step = built(kernels.fused_variant(HERE))
+    model.fused_step = built(fused_variant(HERE))
     options = DecodingOptions(beam_size=3, max_length_b=6)
     first, later = pad(sources(3, seed=11), 0), pad(sources(2, seed=12), 0)
     computed: list[int] = []
@@ -875,7 +883,7 @@ def test_a_sentence_joining_a_beam_batch_decodes_one_row_at_its_first_step(monke
 @pytest.mark.parametrize("variant", [v for v in RUNNABLE if fused.panel_rows_limit(v) > 0])
 def test_passes_on_panels_alone_run_every_layer_in_one_call(variant: str) -> None:
     """Where every product of a post-LN model runs on packed panels alone (float weights released,
-    as ``checkpoint.load`` does on Intel CPUs), the encoder and the decoder step run all their
+    as ``loading.load`` does on Intel CPUs), the encoder and the decoder step run all their
     layers in one call of the kernels (``encoder_layers``, ``decoder_layers``): the same kernels
     in the same order, so the same numbers, bit for bit, as layer by layer, greedy and beam
     search, sentences joining a running batch included; the encoder's tokens there without
@@ -943,7 +951,7 @@ def test_the_encoder_on_panels_alone_computes_no_padding(variant: str, monkeypat
     much padding its batch gave it (bit for bit); groups of at most ``ENCODER_CHUNK_TOKENS``
     tokens, whole sentences, give the one-pass memory. The attention kernel alone gives the
     padded kernel's numbers exactly, and refuses offsets that do not cover its rows."""
-    from model import step as step_module
+    from model.engine import step as step_module
 
     kernels_module = fused.load(built(variant))
     assert kernels_module is not None
@@ -985,7 +993,7 @@ def test_the_long_kernels_let_other_python_threads_run() -> None:
     Python's lock while they compute: a Python thread beside them keeps running (the server's
     event loop, while a batch decodes), where it would stand still for the whole call. The
     switch interval is raised so that only a released lock lets it run."""
-    module = fused.load(built(kernels.fused_variant(HERE)))
+    module = fused.load(built(fused_variant(HERE)))
     assert module is not None
     torch.manual_seed(0)
     d, f, rows = 256, 1024, 2048
@@ -1038,7 +1046,7 @@ def test_kernels_that_cannot_build_leave_the_tensor_operations(
     """A variant the compiler refuses: ``load`` logs why and returns None (once), and the step
     runs on tensor operations with the same results."""
     monkeypatch.setitem(fused.FLAGS, "broken", ["-fno-such-option-anywhere"])
-    with caplog.at_level(logging.WARNING, logger="model.fused"):
+    with caplog.at_level(logging.WARNING, logger="model.engine.fused"):
         assert fused.load("broken") is None
         assert fused.load("broken") is None
     assert sum("fused decoder-step kernels (broken) unavailable" in r.message for r in caplog.records) == 1
@@ -1056,8 +1064,8 @@ def test_kernels_that_cannot_build_leave_the_tensor_operations(
 def test_shortlist_candidates_are_the_tensor_operations_ones(shipped: Path) -> None:
     """The shipped shortlist: the kernels' candidates of padded random sources (pieces repeated
     across and within sentences) are exactly those of the tensor operations."""
-    kernels_here = fused.load(built(kernels.fused_variant(HERE)))
-    shortlist = checkpoint.use_shortlist(checkpoint.load(shipped, "cpu", "float32"))
+    kernels_here = fused.load(built(fused_variant(HERE)))
+    shortlist = loading.use_shortlist(loading.load(shipped, "cpu", "float32"))
     assert shortlist is not None
     torch.manual_seed(0)
     sources = torch.randint(4, shortlist.vocab_size, (5, 12))
@@ -1076,7 +1084,7 @@ def test_shortlist_candidates_are_the_tensor_operations_ones(shipped: Path) -> N
 _LOAD_WITHOUT_COMPILER = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
-from model import fused
+from model.engine import fused
 print("buildable", fused.buildable(sys.argv[1]))
 print("module", fused.load(sys.argv[1]).__file__)
 """
@@ -1089,7 +1097,7 @@ def test_a_build_in_the_cache_loads_without_a_compiler_or_ninja() -> None:
     import os
     import subprocess
 
-    variant = built(kernels.fused_variant(HERE))  # (in this process's cache: the child reads the same)
+    variant = built(fused_variant(HERE))  # (in this process's cache: the child reads the same)
     env = {**os.environ, "CXX": "/nonexistent/c++", "PATH": "/nonexistent", "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_COMPILER, variant], env=env, capture_output=True,
                          text=True, timeout=120)  # fmt: skip
@@ -1101,13 +1109,13 @@ def test_a_build_in_the_cache_loads_without_a_compiler_or_ninja() -> None:
 
 
 def test_ahead_of_time_builds_report_what_did_not_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``python -m model.fused --build``: a variant the compiler refuses fails the command (the
+    """``python -m model.engine.fused --build``: a variant the compiler refuses fails the command (the
     Docker build stops there), naming it; one that builds (or is built already) passes."""
     monkeypatch.setitem(fused.FLAGS, "broken", ["-fno-such-option-anywhere"])
     monkeypatch.setattr(fused, "_loaded", {})
     with pytest.raises(SystemExit, match="did not build: broken"):
         fused.main(["--build", "broken"])
-    fused.main(["--build", built(kernels.fused_variant(HERE))])
+    fused.main(["--build", built(fused_variant(HERE))])
 
 
 def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -1122,7 +1130,7 @@ def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path: Path, caplog: pytest
     assert lock.exists()
     old = time.time() - fused.STALE_LOCK_S - 60
     os.utime(lock, (old, old))
-    with caplog.at_level(logging.WARNING, logger="model.fused"):
+    with caplog.at_level(logging.WARNING, logger="model.engine.fused"):
         fused._clear_stale_lock(lock)
     assert not lock.exists() and "did not finish" in caplog.text
     fused._clear_stale_lock(lock)  # no lock: nothing to do
@@ -1135,7 +1143,7 @@ def test_an_install_without_the_source_leaves_the_tensor_operations(
     warning, no kernels, no crash."""
     monkeypatch.setattr(fused, "SOURCE", tmp_path / "missing.cpp")
     monkeypatch.setitem(fused.FLAGS, "sourceless", [])
-    with caplog.at_level(logging.WARNING, logger="model.fused"):
+    with caplog.at_level(logging.WARNING, logger="model.engine.fused"):
         assert fused.load("sourceless") is None
     monkeypatch.delitem(fused._loaded, "sourceless")
     assert "fused decoder-step kernels (sourceless) unavailable" in caplog.text

@@ -1,4 +1,4 @@
-"""model.kernels and model.linear: the kernel path chosen from CPU features, and each kernel's results.
+"""model.engine.kernels and model.network.linear: the kernel path chosen from CPU features, and each kernel's results.
 
 Plans are built from simulated feature sets (an AVX2-only CPU, one without bf16, one without
 AVX2), whatever machine the tests run on; kernels are run only under features this machine
@@ -15,13 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import checkpoint, fused, kernels
-from model.kernels import AVX2_ONLY, AVX512_BF16, BASELINE, CpuFeatures, UnsupportedPrecision
-from model.linear import Linear, linear
+from model.engine import fused, kernels, loading
+from model.engine.features import AVX2_ONLY, AVX512_BF16, BASELINE, CpuFeatures, detected, fused_variant
+from model.engine.kernels import UnsupportedPrecision
+from model.network.linear import Linear, linear
 from tests.conftest import require
 from tests.factories import PACKED_FEATURES, assert_steps_match, packed_plan
 
-HERE = kernels.detected()
+HERE = detected()
 SIMULATED = {"avx512-bf16": AVX512_BF16, "avx512-no-bf16": CpuFeatures(True, True, True, f16c=True), "avx2": AVX2_ONLY,
              "baseline": BASELINE, "intel-avx512-bf16": replace(AVX512_BF16, intel=True),
              "intel-avx2": replace(AVX2_ONLY, intel=True)}  # fmt: skip
@@ -80,7 +81,7 @@ def test_float32_runs_on_panels_wherever_the_fused_kernels_can_build(
     the plan falls back to the table's (MKL on Intel, oneDNN elsewhere); the other precisions and
     a CPU without AVX2 never take panels."""
     features = SIMULATED[cpu]
-    variant = kernels.fused_variant(features)
+    variant = fused_variant(features)
     if variant == "baseline":
         assert kernels.choose("cpu", "float32", features, fused=True).kernel == "aten"
         return
@@ -342,13 +343,13 @@ def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(
     float weights. Each translates as the same model with its float weights;
     ``keep_float_weights`` keeps them. On this CPU said not to be Intel's, on a simulated AVX2 one
     and on this one said to be Intel's."""
-    from model.decoding import DecodingOptions
-    from model.translator import Translator
+    from model.engine.options import DecodingOptions
+    from model.engine.translator import Translator
 
     folder = tiny_weights_dir / "de-en"
     features = {"not-intel": replace(HERE, intel=False), "avx2": AVX2_ONLY & HERE, "intel": replace(HERE, intel=True)}
-    ckpt = checkpoint.load(folder, "cpu", "float32", features[cpu], fused=fused_step)
-    kept = checkpoint.load(folder, "cpu", "float32", features[cpu], keep_float_weights=True, fused=fused_step)
+    ckpt = loading.load(folder, "cpu", "float32", features[cpu], fused=fused_step)
+    kept = loading.load(folder, "cpu", "float32", features[cpu], keep_float_weights=True, fused=fused_step)
     layers = [m for m in ckpt.model.modules() if isinstance(m, Linear)]
     assert not any(p.is_meta for p in kept.model.parameters())
     if ckpt.plan.kernel in ("panels", "aten"):  # the fused kernels' panels, or MKL: Intel's, or no oneDNN
@@ -398,8 +399,8 @@ def test_the_decoder_step_on_mkl_gives_the_networks_logits(tiny_weights_dir: Pat
     modules' reference path), step by step."""
     folder = tiny_weights_dir / "de-en"
     features = AVX2_ONLY & HERE if step == "wx" else replace(HERE, intel=True)
-    ckpt = checkpoint.load(folder, "cpu", "float32", features, fused=False)  # (with them: panels)
-    reference = checkpoint.load(folder, "cpu", "float32", keep_float_weights=True).model
+    ckpt = loading.load(folder, "cpu", "float32", features, fused=False)  # (with them: panels)
+    reference = loading.load(folder, "cpu", "float32", keep_float_weights=True).model
     if ckpt.plan.step != step:
         pytest.skip(f"float32 runs {ckpt.plan.describe()} here")
     model = ckpt.model
@@ -476,11 +477,11 @@ def test_autocast_regions_keep_f_linear_semantics() -> None:
 
 def test_load_installs_the_plan_and_refuses_before_reading(tiny_weights_dir: Path, tmp_path: Path) -> None:
     folder = tiny_weights_dir / "de-en"
-    ckpt = checkpoint.load(folder, "cpu", "bfloat16", AVX2_ONLY & HERE)
+    ckpt = loading.load(folder, "cpu", "bfloat16", AVX2_ONLY & HERE)
     assert ckpt.plan.kernel == "aten" and ckpt.model.output_matrix().dtype == torch.bfloat16
     assert all(m.kernel is kernels.aten for m in ckpt.model.modules() if isinstance(m, Linear))
     with pytest.raises(UnsupportedPrecision):
-        checkpoint.load(tmp_path / "does-not-exist", "cpu", "int8", BASELINE)
+        loading.load(tmp_path / "does-not-exist", "cpu", "int8", BASELINE)
 
 
 @pytest.mark.skipif(not _runnable("int8"), reason="int8 needs AVX2 and fbgemm")
@@ -489,11 +490,11 @@ def test_int8_load_keeps_one_copy_of_the_weights_and_decodes_as_before(tiny_weig
     panels; float weights released,
     the embeddings the output projection shares kept); it translates exactly as the same plan
     with the float weights still there, and refuses to run a released layer outside inference."""
-    from model.decoding import DecodingOptions
-    from model.translator import Translator
+    from model.engine.options import DecodingOptions
+    from model.engine.translator import Translator
 
     folder = tiny_weights_dir / "de-en"
-    ckpt = checkpoint.load(folder, "cpu", "int8")
+    ckpt = loading.load(folder, "cpu", "int8")
     layers = [m for m in ckpt.model.modules() if isinstance(m, Linear)]
     # the one copy: the fused kernels' int8 panels where they take every int8 product (AVX2), else fbgemm's
     packed = kernels.PackedInt8 if kernels.int8_kernels(ckpt.plan) is None else kernels.PackedInt8Panels
@@ -506,7 +507,7 @@ def test_int8_load_keeps_one_copy_of_the_weights_and_decodes_as_before(tiny_weig
     assert not embedding.is_meta and embedding.untyped_storage().nbytes() == embedding.numel() * 4
     float_bytes = sum(p.numel() * p.element_size() for p in ckpt.model.parameters() if not p.is_meta)
     assert float_bytes < 0.5 * ckpt.model.num_parameters() * 4  # the layers' float copies are gone
-    kept = checkpoint.load(folder, "cpu", "float32", keep_float_weights=True)
+    kept = loading.load(folder, "cpu", "float32", keep_float_weights=True)
     kernels.install(kept.model, ckpt.plan)  # same int8 plan, float weights kept
     texts = ["ein Hund läuft", "zwei Männer spielen Fußball im Park", "x"]
     for beam in (1, 3):
@@ -526,8 +527,8 @@ def test_releasing_float_weights_keeps_what_is_read_elsewhere(tied: bool, precis
     model's kernel on the float matrix, so it stays; every other int8 layer gives its float
     weight and bias up, every float32 oneDNN layer its weight (its bias stays, in the kernel),
     and the network computes exactly what it computed before."""
-    from model.config import ModelConfig
-    from model.transformer import Transformer
+    from model.network.config import ModelConfig
+    from model.network.transformer import Transformer
 
     plan = packed_plan(precision)
     torch.manual_seed(5)
@@ -555,8 +556,8 @@ def test_int8_layers_released_onto_the_fused_kernels_panels_run_them_everywhere(
     layers keep those kernels' int8 panels alone (``PackedInt8Panels``, fbgemm's quantized weight),
     and the modules' own path (the teacher-forced pass ``/attention`` runs) computes with them what
     the decoding passes compute: the same as fbgemm to within int8's error, on 3-d inputs as well."""
-    from model.config import ModelConfig
-    from model.transformer import Transformer
+    from model.network.config import ModelConfig
+    from model.network.transformer import Transformer
 
     plan = kernels.choose("cpu", "int8")
     fused_int8 = kernels.int8_kernels(plan)

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import pytest
 
-from model.multi30k import SHA256, DataError, ensure_split_files, fetch, file_names
+from model.training.multi30k import SHA256, DataError, ensure_split_files, fetch, file_names
 from tests.helpers import ROOT
 
 VAL = file_names(["val"], ["de", "en"])

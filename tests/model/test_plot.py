@@ -1,4 +1,4 @@
-"""``python -m model.plot``: a grid of one heatmap per head, written as a valid PNG."""
+"""``python -m model.training.plot``: a grid of one heatmap per head, written as a valid PNG."""
 
 from __future__ import annotations
 
@@ -11,10 +11,18 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from model import checkpoint
-from model.decoding import DecodingOptions
-from model.plot import grid_shape, layer_maps, main, plot_training, plot_translation, read_log, translate_with_attention
-from model.translator import Translator
+from model.engine import loading
+from model.engine.options import DecodingOptions
+from model.engine.translator import Translator
+from model.training.plot import (
+    grid_shape,
+    layer_maps,
+    main,
+    plot_training,
+    plot_translation,
+    read_log,
+    translate_with_attention,
+)
 from tests.helpers import ROOT
 
 TEXT = "Zwei junge Männer spielen Fußball auf einer Wiese."
@@ -30,7 +38,7 @@ def tiny_checkpoint(tiny_weights_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def translator(tiny_checkpoint: Path) -> Translator:
-    ckpt = checkpoint.load(tiny_checkpoint)
+    ckpt = loading.load(tiny_checkpoint)
     return Translator(ckpt.model, ckpt.tokenizer)
 
 
@@ -53,7 +61,7 @@ def test_module_runs_as_a_command(tiny_checkpoint: Path, tmp_path: Path) -> None
     out = tmp_path / "encoder-words.png"
     args = ["--weights", str(tiny_checkpoint), "--text", TEXT, "--out", str(out)]
     run = subprocess.run(
-        [sys.executable, "-m", "model.plot", *args, "--kind", "encoder", "--layer", "0", "--level", "word"],
+        [sys.executable, "-m", "model.training.plot", *args, "--kind", "encoder", "--layer", "0", "--level", "word"],
         cwd=ROOT,
         capture_output=True,
         text=True,

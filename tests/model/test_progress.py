@@ -10,14 +10,14 @@ import subprocess
 import sys
 import termios
 
-from model.decoding import DecodingOptions
-from model.tokenizer import Tokenizer
-from model.translator import Translator
+from model.engine.options import DecodingOptions
+from model.engine.translator import Translator
+from model.network.tokenizer import Tokenizer
 from tests.factories import random_model
 from tests.helpers import ROOT
 
 SNIPPET = (
-    "from model.progress import progress\n"
+    "from model.training.progress import progress\n"
     "with progress(3, 'validation BLEU') as bar:\n"
     "    for _ in range(3): bar.update()\n"
     "print('result line')\n"

@@ -1,4 +1,4 @@
-"""The lexical shortlist (model/shortlist.py): how it is built, how a session keeps its sentences'
+"""The lexical shortlist (model/engine/shortlist.py): how it is built, how a session keeps its sentences'
 own candidates beside the shared ones, and that decoding through it maps columns back to the right
 tokens."""
 
@@ -11,12 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import checkpoint, fused, kernels
-from model.data import pad, read_lines
-from model.decoding import DecodeSession, DecodingOptions, decode
-from model.shortlist import Shortlist, ShortlistColumns, Vocabulary, build
-from model.transformer import Transformer
-from model.translator import Translator
+from model import checkpoint
+from model.engine import fused, kernels, loading
+from model.engine.batches import pad
+from model.engine.decoding import DecodeSession, decode
+from model.engine.features import detected, fused_variant
+from model.engine.options import DecodingOptions
+from model.engine.shortlist import Shortlist, ShortlistColumns, Vocabulary, build
+from model.engine.translator import Translator
+from model.network.transformer import Transformer
+from model.training import shortlists
+from model.training.data import read_lines
 from tests.conftest import require
 from tests.factories import V, make_model
 
@@ -107,7 +112,7 @@ def test_each_sentence_scores_always_and_its_own_candidates_beyond_them() -> Non
 def test_the_shared_columns_are_packed_once_and_score_as_their_rows() -> None:
     """``Vocabulary.panels``: ``always``'s rows packed for the fused kernels' ``panel_product``
     once, whose logits are the rows' (to float rounding) over exactly those columns."""
-    variant = kernels.fused_variant(kernels.detected())
+    variant = fused_variant(detected())
     module = fused.load(variant)
     require(module is not None, f"the fused step kernels ({variant}) do not build here: see the log")
     table = Shortlist.from_table(torch.zeros(200, 1, dtype=torch.long), torch.arange(37))
@@ -184,7 +189,7 @@ def test_beams_wider_than_a_sentences_candidates_and_widths_the_kernels_do_not_t
     do not take (the tensor operations' then, for every row or only the rows a joining step
     computes): the fused kernels' path gives the tensor operations' hypotheses, every token a
     real one."""
-    variant = kernels.fused_variant(kernels.detected())
+    variant = fused_variant(detected())
     require(fused.load(variant) is not None, f"the fused step kernels ({variant}) do not build here: see the log")
     model = make_model(seed=5, d_model=width, n_heads=4)
     gen = torch.Generator().manual_seed(1)
@@ -207,13 +212,13 @@ def test_the_shipped_shortlists_load_and_keep_the_translations(shipped: Path, da
     whole vocabulary's translation for nearly all of them."""
     for folder in sorted(shipped.parent.iterdir()):
         meta = json.loads((folder / "config.json").read_text())
-        table = checkpoint.load_shortlist(folder, meta["model"]["tgt_vocab_size"])
+        table = loading.load_shortlist(folder, meta["model"]["tgt_vocab_size"])
         assert (table is None) == bool(meta.get("target_tags")), folder  # every direction model has one
-    ckpt = checkpoint.load(shipped)
-    table = checkpoint.load_shortlist(shipped, ckpt.config.tgt_vocab_size)
+    ckpt = loading.load(shipped)
+    table = loading.load_shortlist(shipped, ckpt.config.tgt_vocab_size)
     assert table is not None and table.per_source == 200
     texts = read_lines(data_dir / "val.de.gz")[:60]
-    opts = checkpoint.decoding_options(ckpt.meta, 1)
+    opts = loading.decoding_options(ckpt.meta, 1)
     full, short = Translator(ckpt.model, ckpt.tokenizer), Translator(ckpt.model, ckpt.tokenizer, shortlist=table)
     same = 0
     for ids in full.encode(texts):
@@ -232,28 +237,28 @@ def test_write_shortlist_from_training_data_and_refuse_what_does_not_fit(
     train.mkdir()
     for lang in ("de", "en"):
         (train / f"train.{lang}").write_text("\n".join(read_lines(data_dir / f"train.{lang}.gz")[:500]) + "\n")
-    written = checkpoint.write_shortlist(folder, train, per_source=20, frequent=50)
+    written = shortlists.write_shortlist(folder, train, per_source=20, frequent=50)
     vocab = json.loads((folder / "config.json").read_text())["model"]["tgt_vocab_size"]
-    table = checkpoint.load_shortlist(folder, vocab)
+    table = loading.load_shortlist(folder, vocab)
     assert written.name == "shortlist.safetensors" and table is not None
     assert table.vocab_size == vocab and table.per_source == 20 and table.always.numel() == 54
     assert max(table.row(s).numel() for s in range(vocab)) == 20
     with pytest.raises(checkpoint.CheckpointError, match="vocabulary of 999"):
-        checkpoint.load_shortlist(folder, 999)
+        loading.load_shortlist(folder, 999)
     with pytest.raises(checkpoint.CheckpointError, match="training data not found"):
-        checkpoint.write_shortlist(folder, tmp_path / "nowhere")
+        shortlists.write_shortlist(folder, tmp_path / "nowhere")
     with pytest.raises(ValueError, match="vocabulary"):
         DecodeSession(make_model(), DecodingOptions(), table)
 
 
 def test_float_precisions_use_the_shortlist_and_int8_the_whole_vocabulary(shipped: Path) -> None:
-    assert checkpoint.use_shortlist(checkpoint.load(shipped)) is not None
-    whole = checkpoint.load(shipped)
-    assert checkpoint.use_shortlist(whole, wanted=False) is None
+    assert loading.use_shortlist(loading.load(shipped)) is not None
+    whole = loading.load(shipped)
+    assert loading.use_shortlist(whole, wanted=False) is None
     assert kernels.is_packed(whole.model.kernel) == (whole.plan.kernel == "onednn")  # kept for the whole vocabulary
-    if not kernels.detected().avx2:
+    if not detected().avx2:
         pytest.skip("int8 needs AVX2")
-    assert checkpoint.use_shortlist(checkpoint.load(shipped, precision="int8")) is None
+    assert loading.use_shortlist(loading.load(shipped, precision="int8")) is None
 
 
 def narrow_translator(seed: int) -> tuple[Transformer, Shortlist, Translator]:
@@ -331,18 +336,18 @@ def test_with_the_shortlist_the_packed_output_projection_goes_and_the_whole_one_
     reads the shortlist's rows): its packed copy freed where there was one, the token table kept
     in float16; the teacher-forced pass (``/attention``) projects from that table, to the same
     logits."""
-    packed, ckpt = checkpoint.load(shipped), checkpoint.load(shipped)
+    packed, ckpt = loading.load(shipped), loading.load(shipped)
     src, tgt = torch.tensor([[5, 80, 300, 3]]), torch.tensor([[2, 7, 90, 41]])
     with torch.inference_mode():
         before, _ = packed.model.attention_maps(src, tgt)
-        table = checkpoint.use_shortlist(ckpt)
+        table = loading.use_shortlist(ckpt)
         after, _ = ckpt.model.attention_maps(src, tgt)
     assert table is not None and ckpt.model.kernel is kernels.upcast
     assert ckpt.model.output_matrix().dtype == torch.float16  # shipped in float16: the table is exact
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
-    assert checkpoint.shortlist_output(ckpt.model) == 0  # nothing left to release
+    assert loading.shortlist_output(ckpt.model) == 0  # nothing left to release
     texts = ["Ein Mann fährt mit dem Fahrrad.", "Zwei Hunde spielen im Schnee."]
-    opts = checkpoint.decoding_options(ckpt.meta, 4)
+    opts = loading.decoding_options(ckpt.meta, 4)
     expected = Translator(packed.model, packed.tokenizer, shortlist=table).translate(texts, opts)
     assert [t.text for t in Translator(ckpt.model, ckpt.tokenizer, shortlist=table).translate(texts, opts)] == [
         t.text for t in expected

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError
+from model.network.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, TokenizerError
 
 
 def test_special_ids_are_fixed(tiny_tokenizer: Tokenizer) -> None:

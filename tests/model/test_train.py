@@ -10,10 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import checkpoint, kernels
-from model.train import Trainer, train
-from model.train_config import load_train_config
-from model.train_state import average_files
+from model import checkpoint
+from model.engine import kernels, loading
+from model.training.config import load_train_config
+from model.training.state import average_files
+from model.training.train import Trainer, train
 
 TINY = """
 name = "tiny"
@@ -62,12 +63,12 @@ def test_training_lowers_loss_and_writes_a_checkpoint(tmp_path: Path, data_dir: 
     assert log[1]["train_loss"] < log[0]["train_loss"]
     assert log[1]["valid_loss"] < log[0]["valid_loss"]
     assert log[1]["step"] == 24
-    loaded = checkpoint.load(final)
+    loaded = loading.load(final)
     assert loaded.meta["decoding"]["beam_size"] == 2
     metrics = json.loads((final / "metrics.json").read_text())
     assert set(metrics) == {"val", "test_2016_flickr"}
     assert metrics["val"]["greedy"]["sentences"] == 40
-    table = checkpoint.load_shortlist(final, loaded.config.tgt_vocab_size)  # built from the training split
+    table = loading.load_shortlist(final, loaded.config.tgt_vocab_size)  # built from the training split
     assert table is not None and table.per_source == min(200, loaded.config.tgt_vocab_size)
 
 
@@ -77,7 +78,7 @@ def test_a_time_budget_stops_before_an_epoch_that_would_overrun_it(tmp_path: Pat
     cfg = load_train_config(tiny_config(tmp_path, data_dir, epochs=3))
     final = train(cfg, tmp_path / "run", max_steps_per_epoch=3, time_budget_s=0.0)
     assert [e["epoch"] for e in epochs_of(tmp_path / "run")] == [1]
-    assert checkpoint.load(final).meta["training"]["epochs"] == 1
+    assert loading.load(final).meta["training"]["epochs"] == 1
     assert set(json.loads((final / "metrics.json").read_text())) == {"val", "test_2016_flickr"}
     # a budget far larger than the run changes nothing
     train(cfg, tmp_path / "long", max_steps_per_epoch=3, time_budget_s=3600.0)
@@ -154,7 +155,7 @@ def test_synthetic_pairs_join_the_training_data_but_not_the_tokenizer(tmp_path: 
     """``[data] synthetic``: extra aligned files ("{dir}" is the data folder) are cleaned, cut to
     ``train_limit`` and trained on after the real pairs; the vocabulary is learnt from the real
     pairs alone."""
-    from model.data import read_lines
+    from model.training.data import read_lines
 
     german, english = read_lines(data_dir / "train.de.gz"), read_lines(data_dir / "train.en.gz")
     (tmp_path / "synthetic.en").write_text("".join(f"Synthetic: {line}\n" for line in english))
@@ -219,7 +220,7 @@ def test_subword_sampling_segments_the_training_pairs_anew_each_epoch_and_resume
 
 
 def test_sampling_settings_are_checked() -> None:
-    from model.train_config import TokenizerConfig
+    from model.training.config import TokenizerConfig
 
     with pytest.raises(ValueError, match="sampling_alpha"):
         TokenizerConfig(sampling_alpha=1.5)
@@ -232,8 +233,8 @@ def test_sampling_settings_are_checked() -> None:
 def test_a_named_tokenizer_model_is_used_as_it_is(tmp_path: Path, data_dir: Path) -> None:
     """[tokenizer] model: the run reads that sentencepiece file instead of training one (how a
     config reproduces shipped weights whatever sentencepiece version trains here)."""
-    from model.data import read_lines
-    from model.tokenizer import train_tokenizer
+    from model.network.tokenizer import train_tokenizer
+    from model.training.data import read_lines
 
     sentences = read_lines(data_dir / "train.de.gz")[-800:] + read_lines(data_dir / "train.en.gz")[-800:]
     other = train_tokenizer(sentences, vocab_size=400)
@@ -251,7 +252,7 @@ def test_a_named_tokenizer_model_is_used_as_it_is(tmp_path: Path, data_dir: Path
 
 @pytest.mark.parametrize("config", sorted((Path(__file__).parents[2] / "configs").glob("*.toml")), ids=lambda p: p.stem)
 def test_each_shipped_config_reads_its_weights_vocabulary(config: Path) -> None:
-    from model.tokenizer import Tokenizer, target_prefix
+    from model.network.tokenizer import Tokenizer, target_prefix
 
     cfg = load_train_config(config)
     root = Path(__file__).parents[2]
@@ -263,14 +264,14 @@ def test_each_shipped_config_reads_its_weights_vocabulary(config: Path) -> None:
 
 
 def test_no_score_writes_the_model_without_scoring_it(tmp_path: Path, data_dir: Path) -> None:
-    from model.train import main
+    from model.training.train import main
 
     config = tiny_config(tmp_path, data_dir, epochs=1)
     main(["--config", str(config), "--out", str(tmp_path / "run"), "--max-steps-per-epoch", "2", "--no-score"])
     final = tmp_path / "run" / "model"
-    loaded = checkpoint.load(final)
+    loaded = loading.load(final)
     assert loaded.meta["training"]["epochs"] == 1
-    assert checkpoint.load_shortlist(final, loaded.config.tgt_vocab_size) is not None  # still built
+    assert loading.load_shortlist(final, loaded.config.tgt_vocab_size) is not None  # still built
     assert not (final / "metrics.json").exists()
     # scored by a later run of the same folder, unscored again without leaving the old scores
     main(["--config", str(config), "--out", str(tmp_path / "run"), "--max-steps-per-epoch", "2", "--resume"])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.config import ModelConfig
-from model.masks import causal_mask, padding_mask
-from model.transformer import Transformer, sinusoidal_table
+from model.network.config import ModelConfig
+from model.network.masks import causal_mask, padding_mask
+from model.network.transformer import Transformer, sinusoidal_table
 from tests.factories import make_model
 
 

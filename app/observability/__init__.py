@@ -1,0 +1,1 @@
+"""Metrics (Prometheus), per-request timing, traces (OpenTelemetry) and JSON logs."""

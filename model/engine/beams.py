@@ -1,0 +1,282 @@
+"""Beam search's bookkeeping: the hypotheses of every active sentence, their scores and
+lengths, and the top-k that ranks the candidates (greedy search is the beam of one).
+``model.engine.decoding.DecodeSession`` owns one ``Beams`` per running batch."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from model.engine.shortlist import ShortlistColumns
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One output sequence. ``ids`` exclude BOS and EOS; ``score`` is length-normalized."""
+
+    ids: tuple[int, ...]
+    score: float
+    log_prob: float
+    finished: bool
+
+
+# an empty long tensor: "none" for the fused kernels' optional arguments, per device
+_EMPTY = {torch.device("cpu"): torch.empty(0, dtype=torch.long)}
+
+# top_k splits each row into blocks of this many scores (see there), from this many rows on.
+TOP_K_BLOCK = 64
+TOP_K_BLOCK_ROWS = 32
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row and their columns, best first. x: (R, V) -> (R, k), (R, k).
+
+    ``torch.topk`` (and ``argmax``) over an 8,000-way row cost many times a row's ``amax`` on the
+    CPU (docs/benchmarks.md "Numbers behind the code"). So rows are cut into blocks of
+    ``TOP_K_BLOCK``: the k blocks with the largest maxima hold the k largest values (any value
+    outside them is beaten by k block maxima), and ``topk`` only ranks those k blocks' scores
+    (ties between equal values may break differently from ``torch.topk``). Other devices,
+    rows too short for it to pay off, and fewer than ``TOP_K_BLOCK_ROWS`` rows (its dozen
+    operations cost more than ``topk`` itself there: 142 against 33 us at one row of 8,000,
+    156 against 94 at four, 502 against 807 at 64, AMD EPYC Naples) use ``torch.topk``.
+    """
+    r, v = x.shape
+    blocks, tail = divmod(v, TOP_K_BLOCK)
+    if x.device.type != "cpu" or blocks < 4 * k or r < TOP_K_BLOCK_ROWS:
+        return x.topk(k, dim=-1)
+    main = x[:, : blocks * TOP_K_BLOCK].view(r, blocks, TOP_K_BLOCK)
+    chosen = main.amax(dim=-1).topk(k, dim=-1).indices  # (R, k) block ids
+    candidates = main.gather(1, chosen[..., None].expand(-1, -1, TOP_K_BLOCK)).view(r, k * TOP_K_BLOCK)
+    columns = (chosen[..., None] * TOP_K_BLOCK + torch.arange(TOP_K_BLOCK, device=x.device)).view(r, -1)
+    if tail:  # the last, partial block always competes
+        candidates = torch.cat([candidates, x[:, blocks * TOP_K_BLOCK :]], dim=1)
+        columns = torch.cat([columns, torch.arange(blocks * TOP_K_BLOCK, v, device=x.device).expand(r, -1)], dim=1)
+    values, j = candidates.topk(k, dim=-1)
+    return values, columns.gather(1, j)
+
+
+def length_penalty(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
+    """GNMT length penalty ((5 + |Y|) / 6) ** alpha, elementwise."""
+    if alpha == 0:
+        return torch.ones_like(lengths, dtype=torch.float32)
+    return ((5.0 + lengths.float()) / 6.0) ** alpha
+
+
+def _hypothesis(row: list[int], length: int, score: float, log_prob: float, finished: bool) -> Hypothesis:
+    """row: (capacity,) generated ids; drop the EOS of a finished hypothesis."""
+    n = length - 1 if finished else length
+    return Hypothesis(tuple(row[:n]), score, log_prob, finished)
+
+
+def cat_padded(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """Stack a (A, ...) and b (B, ...) along dim 0 -> (A + B, ...), zero-padding dimension
+    ``dim`` to the longer of the two (False in a mask: padding)."""
+    size = list(a.shape)
+    size[0] += b.shape[0]
+    size[dim] = max(a.shape[dim], b.shape[dim])
+    out = a.new_zeros(size)
+    out[: a.shape[0]].narrow(dim, 0, a.shape[dim]).copy_(a)
+    out[a.shape[0] :].narrow(dim, 0, b.shape[dim]).copy_(b)
+    return out
+
+
+class Beams:
+    """K hypotheses per active sentence: raw log-probabilities, lengths, flags and tokens.
+
+    A sentence joins with one live hypothesis (BOS, score 0) and K - 1 at -inf, so its first
+    step's K best candidates all extend the live one. A batch's first step runs one row per
+    sentence (the others would be copies of it; K rows cost more row-steps: docs/benchmarks.md);
+    sentences that join a running batch get K rows, like everyone else in it by then (with the fused
+    kernels their first step computes only the first of them: ``advance``'s ``rows``).
+    """
+
+    def __init__(self, k: int, pad_id: int, device: torch.device, kernels: ModuleType | None = None) -> None:
+        """``kernels``: the fused step kernels (``model.engine.fused``), whose ``advance`` does a step's
+        bookkeeping in one call; None: tensor operations throughout."""
+        self.k, self.pad_id, self.kernels = k, pad_id, kernels
+        # the sentences all of whose hypotheses are finished, when the kernels' ``advance`` said
+        # (None: not known; sentences joining or leaving make it unknown)
+        self.done: list[int] | None = None
+        self.scores = torch.zeros(0, k, device=device)  # raw cumulative log P, (A, K)
+        self.length = torch.zeros(0, k, dtype=torch.long, device=device)  # tokens, EOS included
+        self.finished = torch.zeros(0, k, dtype=torch.bool, device=device)
+        self.eos = torch.zeros(0, k, dtype=torch.bool, device=device)  # finished by EOS (not truncated)
+        self.history = torch.full((0, k, 0), pad_id, dtype=torch.long, device=device)  # (A, K, steps)
+        # a finished hypothesis's K candidates: its score once (the PAD continuation), then nothing
+        self.only_first = torch.full((k,), -math.inf, device=device)
+        self.only_first[0] = 0.0
+        self._offsets, self._offsets_width = torch.zeros(0, 1, dtype=torch.long, device=device), 0
+
+    def extend(self, b: int, steps: int) -> None:
+        """b sentences join, each decoded for at most ``steps`` steps."""
+        self.done = None
+        scores = self.only_first.expand(b, -1)
+        history = self.history.new_full((b, self.k, steps), self.pad_id)
+        if self.scores.shape[0] == 0:  # no sentence yet (one at a time: each joins an empty batch)
+            self.scores, self.history = scores.clone(), history  # (not a view of only_first)
+            self.length = self.length.new_zeros(b, self.k)
+            self.finished, self.eos = self.finished.new_zeros(b, self.k), self.eos.new_zeros(b, self.k)
+            return
+        self.scores = torch.cat([self.scores, scores])
+        self.length = torch.cat([self.length, self.length.new_zeros(b, self.k)])
+        self.finished = torch.cat([self.finished, self.finished.new_zeros(b, self.k)])
+        self.eos = torch.cat([self.eos, self.eos.new_zeros(b, self.k)])
+        # (positions past a sentence's own limit are never read, whatever cat_padded put there)
+        self.history = cat_padded(self.history, history, dim=2)
+
+    def advance(
+        self,
+        logits: torch.Tensor,
+        start: torch.Tensor,
+        now: int,
+        alpha: float,
+        eos_id: int,
+        columns: ShortlistColumns | None = None,
+        own: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """logits: (A, W, V) float32 next-token logits of each sentence's first W hypotheses
+        (W = 1 at a batch's first step, else K; may be overwritten with their log-probabilities),
+        start: (A,) the step each sentence joined at, ``now`` the batch's step (a sentence has
+        decoded now - start steps so far: the subtraction is the kernels', not a tensor
+        operation a step), columns: a shortlist's (``model.engine.shortlist.ShortlistColumns``) when the
+        logits cover one: then ``logits`` are (.., N) over the N columns every sentence shares and
+        ``own`` (.., E) each row's over its sentence's own (-inf past its count); None: column i is
+        token i.
+        ``rows`` (A*W,) int64, kernels only: the step computed only some rows, and ``logits`` is
+        (R', V): entry i*W + r is the logits row of sentence i's row r, or -1 for a row not
+        computed, which must be at -inf (a joining sentence's copies of its first row at its first
+        step: ``DecodeSession``); None: every row, logits (A, W, V)
+        -> back-pointer rows (A*K,) into the A*W (None for greedy search: rows stay in
+        place), and the tokens chosen (A, K).
+
+        Every alive hypothesis of a sentence has step+1 tokens after this step, so its alive
+        candidates share one length penalty and rank by raw log P; a finished hypothesis
+        competes through its single (PAD) continuation, its normalized score mapped into that
+        raw scale. The K best of a sentence's K x V candidates are among the K best of each of
+        its rows, so each row is cut to K first (``top_k``) and only K x K survivors are ranked.
+
+        At one sentence a step's arithmetic is small and each tensor operation costs a few
+        microseconds of dispatch, so the common cases take shorter paths: greedy search (one
+        row per sentence, never finished here: a sentence leaves the step it ends) and beams
+        with no finished hypothesis (the usual state until the first EOS), which need none of
+        the finished hypotheses' bookkeeping. The fused kernels (``model.engine.fused``) do it all in
+        one call, by the same rules.
+        """
+        k = self.k
+        if self.kernels is not None:  # all of it in one call
+            empty = _EMPTY[logits.device]
+            state = (self.scores, self.length, self.finished, self.eos, self.history)
+            listed = (empty, empty, empty, empty) if columns is None or own is None else (
+                own, columns.always, columns.extra_ids, columns.spans)  # fmt: skip
+            state, self.done = self.kernels.advance(
+                logits, *listed, start, now, *state, alpha, eos_id, self.pad_id, empty if rows is None else rows
+            )  # fmt: skip
+            self.scores, tok, back, self.history, self.eos, self.length, self.finished = state
+            return (back if k > 1 else None), tok
+        if rows is not None:
+            raise ValueError("logits of some rows need the fused kernels' advance")
+        self.done = None
+        step = now - start  # (A,)
+        vocab = None  # (A, C): each sentence's token of each column
+        if columns is not None and own is not None:
+            index, valid = columns.padded  # (A, E)
+            logits = torch.cat([logits, own.masked_fill(~valid[:, None, :], -math.inf)], dim=2)
+            extra = torch.where(valid, columns.extra_ids[index], self.pad_id)
+            vocab = torch.cat([columns.always.expand(valid.shape[0], -1), extra], dim=1)
+            if vocab.shape[1] < k:  # fewer columns than K (a tiny ``always``): the rest -inf, token PAD
+                logits = F.pad(logits, (0, k - vocab.shape[1]), value=-math.inf)
+                vocab = F.pad(vocab, (0, k - vocab.shape[1]), value=self.pad_id)
+        a, w, width = logits.shape
+        logp = torch.log_softmax(logits, dim=-1, out=logits).view(a * w, width)  # in place: no second (R, V) buffer
+        if k == 1:
+            best, tok = logp.max(dim=-1, keepdim=True)  # (A, 1): argmax, the first of equals
+            if vocab is not None:
+                tok = vocab.gather(1, tok)
+            self.scores = self.scores + best
+            self.length = (step + 1)[:, None]
+            self.eos = self.finished = tok == eos_id
+            self.history.scatter_(2, step.view(a, 1, 1), tok.view(a, 1, 1))
+            return None, tok
+        logp, tok = top_k(logp, k)  # (A*W, K)
+        if vocab is not None:
+            tok = vocab.gather(1, tok.view(a, w * k)).view(a * w, k)
+        candidates = logp.view(a, w, k) + self.scores[:, :w, None]  # raw log P, (A, W, K)
+        tok = tok.view(a, w, k)
+        any_finished = bool(self.finished[:, :w].any())
+        if any_finished:
+            scale = length_penalty(step + 1, alpha)[:, None]  # (A, 1)
+            done = (self.scores[:, :w] / length_penalty(self.length[:, :w], alpha) * scale)[..., None]
+            finished = self.finished[:, :w, None]  # (A, W, 1)
+            candidates = torch.where(finished, done + self.only_first, candidates)
+            tok = torch.where(finished, self.pad_id, tok)
+        raw, flat = candidates.view(a, w * k).topk(k, dim=-1)  # (A, K), best first
+        beam, tok = flat // k, tok.view(a, w * k).gather(1, flat)
+        if any_finished:
+            was_finished = self.finished.gather(1, beam)
+            self.scores = torch.where(was_finished, self.scores.gather(1, beam), raw)
+            self.length = torch.where(was_finished, self.length.gather(1, beam), step[:, None] + 1)
+            self.eos = self.eos.gather(1, beam) | (~was_finished & (tok == eos_id))
+            self.finished = was_finished | self.eos
+        else:
+            self.scores, self.length = raw, (step + 1)[:, None].expand(a, k)
+            self.eos = self.finished = tok == eos_id
+        history = self.history
+        self.history = history.gather(1, beam[..., None].expand(-1, -1, history.shape[2]))
+        self.history.scatter_(2, step.view(a, 1, 1).expand(a, k, 1), tok[..., None])
+        return (beam + self._row_offsets(a, w)).view(-1), tok
+
+    def _row_offsets(self, a: int, w: int) -> torch.Tensor:
+        """(A, 1): the first of each sentence's W rows, kept while the batch keeps its shape."""
+        if self._offsets.shape[0] != a or self._offsets_width != w:
+            self._offsets = torch.arange(a, device=self._offsets.device)[:, None] * w
+            self._offsets_width = w
+        return self._offsets
+
+    def truncate(self, sentences: list[int]) -> None:
+        """These sentences reached their length limit: every hypothesis of theirs is finished
+        (the live ones unfinished, ``eos`` False)."""
+        self.finished = self.finished.clone()  # (after a step ``finished`` may be ``eos`` itself)
+        self.finished[sentences] = True
+        if self.done is not None:
+            self.done = sorted(set(self.done).union(sentences))
+
+    def done_sentences(self) -> list[int]:
+        """The sentences all of whose hypotheses are finished, ascending: as the kernels'
+        ``advance`` (and ``truncate`` since) said, without reading the device, else from ``finished``."""
+        if self.done is not None:
+            return self.done
+        return self.finished.all(dim=1).nonzero()[:, 0].tolist()
+
+    def hypotheses(self, sentences: list[int], n_best: int, alpha: float) -> list[list[Hypothesis]]:
+        """The n best of each of these active sentences (already sorted by normalized score),
+        read from the device in one go for all of them (a greedy batch of 64 finishes a sentence
+        or two at most steps; read one at a time they cost ~0.1 ms each)."""
+        index = torch.tensor(sentences, device=self.scores.device)
+        lengths = self.length[index, :n_best].tolist()
+        # each penalty on its own, as one element (torch's pow takes a vectorized path for longer
+        # tensors, whose last bit may differ): a score does not depend on who finished beside it
+        lp = torch.tensor([[self._penalty(n, alpha) for n in row] for row in lengths], device=index.device)
+        scores = self.scores[index, :n_best]
+        raw, normalized = scores.tolist(), (scores / lp).tolist()
+        rows, eos = self.history[index, :n_best].tolist(), self.eos[index, :n_best].tolist()
+        return [
+            [_hypothesis(rows[s][j], lengths[s][j], normalized[s][j], raw[s][j], eos[s][j]) for j in range(n_best)]
+            for s in range(len(sentences))
+        ]
+
+    @staticmethod
+    @functools.lru_cache(maxsize=4096)
+    def _penalty(length: int, alpha: float) -> float:
+        """``length_penalty`` of one length, a float32 value."""
+        return float(length_penalty(torch.tensor([length]), alpha))
+
+    def keep(self, keep: torch.Tensor) -> None:
+        self.done = None
+        for name in ("scores", "length", "finished", "eos", "history"):
+            setattr(self, name, getattr(self, name)[keep])
