@@ -67,7 +67,7 @@ ENV VIRTUAL_ENV=/opt/venv \
     TRANSLATOR_WEIGHTS_DIR=/app/weights \
     TORCH_EXTENSIONS_DIR=/opt/venv/kernels
 # mimalloc: `translator serve` re-executes itself on it (TRANSLATOR_MALLOC=auto; model/engine/allocator.py):
-# lower batch memory than glibc's malloc at the same speed (docs/benchmarks.md "The allocator").
+# lower batch memory than glibc's malloc at the same speed (docs/benchmarks/README.md#allocator).
 # A runtime library, so the runtime stage installs it; the base image's Debian release fixes its version.
 # hadolint ignore=DL3008
 RUN apt-get update \

@@ -3,7 +3,7 @@
     python -m bench.compile_step [--weights weights/de-en] [--rows 1,4] [--steps 15] [--reps 40]
 
 ``model.engine.step.DecoderStep`` writes into views of its cache's buffers, which inductor cannot
-compile (docs/benchmarks.md "The small-batch step"). So this times a functional twin of the
+compile (docs/benchmarks/README.md#fused-step). So this times a functional twin of the
 same math that inductor can take whole: a static KV cache (``--slots`` positions laid out up
 front, the unused ones hidden by an additive mask, new keys and values written with
 ``index_copy_``), the checkpoint's float32 weights as plain tensors, and one graph per row

@@ -68,7 +68,7 @@ passes; ``peak_mem_mb - setup_mem_mb`` is a pass's working memory. By default ea
 its own process (``--no-isolate`` runs them all in this one), so systems share no memory, thread
 pools or allocator caches, and a CTranslate2 process imports ``ctranslate2`` before torch: the other
 way round, CTranslate2 bound to torch's OpenMP runtime and ran several times slower (every
-CTranslate2 figure measured before that fix was too low; docs/benchmarks.md). On CUDA it is
+CTranslate2 figure measured before that fix was too low; docs/benchmarks/log/2026-11-24.md). On CUDA it is
 ``torch.cuda.max_memory_allocated`` during the run minus the allocation before setup (torch systems
 only; null for CTranslate2, whose allocator torch cannot see).
 """
@@ -514,7 +514,7 @@ def run_isolated(system: str, argv: Sequence[str], malloc: MallocChoice = "glibc
     if SYSTEMS[system].ctranslate2:
         # CTranslate2 first, then torch (bench.decode imports it): both libraries bring an
         # OpenMP runtime and the order of loading decides which one CTranslate2 binds to;
-        # imported after torch it ran several times slower (docs/benchmarks.md "Numbers behind the code").
+        # imported after torch it ran several times slower (docs/benchmarks/README.md#numbers-behind-the-code).
         cmd[1:3] = ["-c", CTRANSLATE2_FIRST]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = malloc_env(malloc, {**os.environ, "PYTHONPATH": path})

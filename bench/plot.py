@@ -1,4 +1,4 @@
-"""Charts of the benchmarks' JSON lines (the pictures in docs/benchmarks.md).
+"""Charts of the benchmarks' JSON lines (the pictures docs/benchmarks/ shows).
 
     python -m bench.plot [load] load.jsonl --out docs/load.png     # latency against throughput
     python -m bench.plot decode decode.jsonl --out docs/decode.png  # sentences/s per system (bars)

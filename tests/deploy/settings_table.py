@@ -1,7 +1,7 @@
-"""README's "Configuration" table, rendered from ``app.settings.Settings``.
+"""docs/deploy.md's "Configuration" table, rendered from ``app.settings.Settings``.
 
-``python -m tests.deploy.settings_table`` prints the table to paste into README.md;
-tests/deploy/test_readme.py checks that README lists exactly these variables, defaults and descriptions.
+``python -m tests.deploy.settings_table`` prints the table to paste into docs/deploy.md;
+tests/deploy/test_readme.py checks that docs/deploy.md lists exactly these variables, defaults and descriptions.
 """
 
 from __future__ import annotations

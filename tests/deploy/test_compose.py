@@ -60,7 +60,7 @@ def test_translator_builds_the_cpu_image_by_default(cpu: dict[str, Any]) -> None
 def test_translator_memory_is_limited_from_the_measured_soak(cpu: dict[str, Any]) -> None:
     """docs/reliability.md: soak peaks of 860-1,010 MiB with one direction loaded, ~70 MiB more for
     each further 7.6M-parameter model and three times that for the many-to-many one (22.7M); with
-    all shipped weights a 64-client mixed-direction load peaked at 1,439 MiB (docs/benchmarks.md).
+    all shipped weights a 64-client mixed-direction load peaked at 1,439 MiB (docs/benchmarks/log/2026-11-25.md).
     The limit leaves ~50% above the higher of the two."""
     translator = cpu["services"]["translator"]
     expected_peak_mib = max(1010 + 3 * 70 + 3 * 70, 1439)

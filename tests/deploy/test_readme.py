@@ -1,4 +1,7 @@
-"""README's deployment sections: the settings table, the API examples, the scaling-out compose file."""
+"""The deployment docs: the settings table, the API examples, the scaling-out compose file.
+
+README.md links to them: docs/deploy.md (settings, Docker, scaling out) and docs/api.md (examples).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import yaml
 
 from app.http.routes import router
 from tests.deploy import settings_table
-from tests.deploy.readme import api_commands, block_after, readme, section, table_rows
+from tests.deploy.readme import DEPLOY, api_commands, block_after, readme, section, table_rows
 from tests.deploy.tools import compose_config, find_tool
 from tests.helpers import ROOT
 
@@ -20,7 +23,7 @@ BASE = ROOT / "docker-compose.yml"
 
 
 def test_configuration_table_lists_exactly_the_settings_fields() -> None:
-    assert "\n## Configuration\n" in readme()
+    assert "\n## Configuration\n" in readme(DEPLOY)
     documented = [r["variable"] for r in table_rows()]
     expected = [r.variable for r in settings_table.rows()]
     assert documented == expected, "regenerate with: python -m tests.deploy.settings_table"
@@ -29,7 +32,7 @@ def test_configuration_table_lists_exactly_the_settings_fields() -> None:
 def test_configuration_table_defaults_and_meanings_match_the_code() -> None:
     for row, expected in zip(table_rows(), settings_table.rows(), strict=True):
         assert row["default"] == expected.default, row["variable"]
-        assert expected.meaning in row["meaning"], f"{row['variable']}: README says {row['meaning']!r}"
+        assert expected.meaning in row["meaning"], f"{row['variable']}: docs/deploy.md says {row['meaning']!r}"
 
 
 @pytest.mark.parametrize("path", sorted({r.path for r in router.routes if r.path != "/"}))  # type: ignore[attr-defined]
@@ -48,7 +51,7 @@ def test_api_examples_show_each_request_form(feature: str) -> None:
 @pytest.fixture(scope="module")
 def scale_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("scale") / "docker-compose.scale.yml"
-    path.write_text(block_after("<!-- scale-compose -->", "yaml") + "\n")
+    path.write_text(block_after("<!-- scale-compose -->", "yaml", DEPLOY) + "\n")
     return path
 
 
@@ -87,7 +90,7 @@ def test_balancer_config_passes_haproxy_check(scaled: dict[str, Any], tmp_path: 
 
 
 def test_docker_section_names_real_files() -> None:
-    docker = section("Docker")
+    docker = section("Docker", DEPLOY)
     for name in ("docker-compose.gpu.yml", "VARIANT=cpu", "/app/weights", "docker-compose.override.yml"):
         assert name in docker
     assert (ROOT / "docker-compose.gpu.yml").is_file()

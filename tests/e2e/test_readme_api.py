@@ -1,4 +1,4 @@
-"""README's API examples, run as written (with curl) against a live server.
+"""The API examples of docs/api.md (linked from README), run as written (with curl) against a live server.
 
 Only the address changes (``localhost:8000`` becomes the test server's); ``--fail-with-body`` is
 added to every curl so an HTTP error fails the command. Needs curl (skip without it, fail in CI).

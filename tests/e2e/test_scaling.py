@@ -1,6 +1,6 @@
-"""README's scaling-out balancer for real: HAProxy with its configuration, in front of real replicas.
+"""docs/deploy.md's scaling-out balancer for real: HAProxy with its configuration, in front of real replicas.
 
-The HAProxy configuration is the one in README's compose example, with only the addresses moved to
+The HAProxy configuration is the one in docs/deploy.md's compose example, with only the addresses moved to
 loopback (compose's DNS service discovery becomes a static list of the test's replicas) and a stats
 page added so the test can see which replicas HAProxy counts as up. Two replicas are ready; a third
 answers /health but never becomes ready (its weights folder is empty): the balancer's /ready check
@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from tests.conftest import SHIPPED
-from tests.deploy.readme import block_after
+from tests.deploy.readme import DEPLOY, block_after
 from tests.deploy.tools import compose_config, find_tool
 from tests.helpers import ROOT, free_port, running_server, stop
 
@@ -43,9 +43,9 @@ class Cluster:
 
 
 def readme_haproxy_config(tmp: Path) -> str:
-    """The HAProxy configuration of README's scaling example, as Compose resolves it."""
+    """The HAProxy configuration of docs/deploy.md's scaling example, as Compose resolves it."""
     scale = tmp / "docker-compose.scale.yml"
-    scale.write_text(block_after("<!-- scale-compose -->", "yaml") + "\n")
+    scale.write_text(block_after("<!-- scale-compose -->", "yaml", DEPLOY) + "\n")
     done = compose_config(ROOT / "docker-compose.yml", scale)
     assert done.returncode == 0, done.stderr
     content: str = yaml.safe_load(done.stdout)["configs"]["haproxy"]["content"]
