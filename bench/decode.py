@@ -116,6 +116,7 @@ from model.engine.features import detected
 from model.engine.loading import Checkpoint
 from model.engine.options import DecodingOptions
 from model.engine.translator import Translator
+from model.network.precision import PRECISIONS
 from model.training.data import MULTI30K_DIR, read_lines
 from model.training.evaluate import score_translations
 from model.training.progress import progress
@@ -535,7 +536,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
     parser.add_argument("--naive-limit", type=int, default=100, help="sentences for naive and ours-single")
     parser.add_argument(
-        "--dtype", default="float32", choices=kernels.PRECISIONS, help="precision of ours and ctranslate2 (int8: CPU)"
+        "--dtype", default="float32", choices=PRECISIONS, help="precision of ours and ctranslate2 (int8: CPU)"
     )
     parser.add_argument("--warmup", type=int, default=16, help="sentences translated before timing")
     parser.add_argument("--repeat", type=int, default=3, help="timed passes per system; the median is reported")

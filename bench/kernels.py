@@ -33,6 +33,7 @@ from torch import nn
 
 from model.engine import fused, kernels
 from model.engine.features import detected, fused_variant
+from model.engine.kernels import onednn_ops
 
 SHAPES = ((768, 256), (256, 256), (1024, 256), (256, 1024), (8000, 256))
 LAYER = ((768, 256), (256, 256), (256, 256), (256, 256), (1024, 256), (256, 1024))  # one decoder layer, in order
@@ -50,7 +51,7 @@ def per_call_us(fn: Callable[[], object], calls: int) -> float:
 
 def packed_onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
     """``kernels.onednn`` without its one-row ``F.linear`` fallback."""
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, kernels._onednn_packed.get(w, None), b, "none", [], "")
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, onednn_ops._onednn_packed.get(w, None), b, "none", [], "")
     return out
 
 
@@ -61,7 +62,7 @@ def panels_kernel() -> kernels.LinearKernel | None:
     module = fused.load(variant) if fused.panel_rows_limit(variant) > 0 else None
     if module is None:
         return None
-    cache = kernels._Packed(lambda w, b: module.pack_panels(w))
+    cache = kernels.PackedCopies(lambda w, b: module.pack_panels(w))
     none = torch.empty(0)
 
     def panels(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
@@ -85,7 +86,7 @@ def int8_panels_kernel() -> kernels.LinearKernel | None:
         assert packed is not None, "the shapes are multiples of the panels' width"
         return packed
 
-    cache = kernels._Packed(pack)
+    cache = kernels.PackedCopies(pack)
 
     def int8_panels(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
         packed = cache.get(w, b)

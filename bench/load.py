@@ -23,14 +23,15 @@ minutes: one offline figure for all rounds made the ratios drift with it, and on
 round still moved a ratio by a third when the host sped up or slowed down during the round). With ``--rounds N``
 the rows also get ``rounds_offline_sps`` and ``rounds_of_offline``, every round's.
 The clients run in this process, on the same machine as the server, so they share its CPU:
-they speak HTTP/1.1 over keep-alive connections through asyncio streams (``Connection``),
-which cost a small fraction of the CPU httpx's async client took per request; with httpx the
-clients took a large share of the cores the server needed (docs/benchmarks/README.md#numbers-behind-the-code). Each row says how much: ``client_cores`` is the CPU time this process spent during
-the run over its wall time, and ``server_cores`` the server's (``process_cpu_seconds_total`` from
-its ``/metrics``, before and after; null for a server without it). For a server on this machine,
-``server_threads`` splits the run's wall time per server thread into time on a CPU, time waiting
-for one and time asleep (``bench/threads.py``): where serving loses against offline.
-"""
+they speak HTTP/1.1 over keep-alive connections through asyncio streams (``Connection``), which
+cost a small fraction of the CPU httpx's async client took per request; with httpx the clients
+took a large share of the cores the server needed
+(docs/benchmarks/README.md#numbers-behind-the-code). Each row says how much: ``client_cores`` is
+the CPU time this process spent during the run over its wall time, and ``server_cores`` the
+server's (``process_cpu_seconds_total`` from its ``/metrics``, before and after; null for a
+server without it). For a server on this machine, ``server_threads`` splits the run's wall time
+per server thread into time on a CPU, time waiting for one and time asleep
+(``bench/threads.py``): where serving loses against offline."""
 
 from __future__ import annotations
 

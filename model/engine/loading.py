@@ -165,7 +165,7 @@ def shortlist_output(model: Transformer) -> int:
     if model.output is not None or table.is_meta or table.device.type != "cpu":
         return 0
     if isinstance(kernel, kernels.PackedOneDNN):  # its table is float16 already, where exact
-        freed = kernel.packed.numel() * kernel.packed.element_size()
+        freed = kernel.packed_weight.numel() * kernel.packed_weight.element_size()
     elif kernel is kernels.aten and table.dtype == torch.float32:
         freed = _half_token_tables(model)
     else:

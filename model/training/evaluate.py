@@ -30,10 +30,11 @@ import sacrebleu
 import torch
 
 from model import checkpoint
-from model.engine import kernels, loading
+from model.engine import loading
 from model.engine.allocator import tune_malloc
 from model.engine.options import DecodingOptions
 from model.engine.translator import Translator
+from model.network.precision import PRECISIONS
 from model.training.data import read_lines, read_parallel, split_file, write_lines
 from model.training.multi30k import default_dir, ensure_split_files
 from model.training.progress import progress
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--batch-size", type=int, default=64, help="sentences per batch (approx.)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=kernels.PRECISIONS, help="inference precision")
+    parser.add_argument("--dtype", default="float32", choices=PRECISIONS, help="inference precision")
     parser.add_argument("--limit", type=int, help="only the first N sentences")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument(

@@ -372,7 +372,8 @@ def test_draining_refuses_requests_that_arrive_after_it_began_not_those_before(t
 
 def test_every_route_dependency_runs_on_the_event_loop(client: TestClient) -> None:
     """FastAPI runs a plain ``def`` dependency in its thread pool: a thread hand-off per request
-    that took a fifth of the event loop's time at 64 clients (docs/benchmarks/README.md#event-loop). Every dependency of every route is a coroutine."""
+    that took a fifth of the event loop's time at 64 clients (docs/benchmarks/README.md#event-loop).
+    Every dependency of every route is a coroutine."""
     from fastapi.routing import APIRoute
 
     def calls(dependant: Any) -> Iterator[Any]:

@@ -7,7 +7,6 @@ docs/deploy.md, the API examples in docs/api.md.
 from __future__ import annotations
 
 import re
-
 from pathlib import Path
 
 from tests.helpers import ROOT

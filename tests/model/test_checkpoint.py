@@ -14,6 +14,7 @@ from model import checkpoint
 from model.checkpoint import CheckpointError
 from model.engine import fused, kernels, loading
 from model.engine.features import detected, fused_variant
+from model.engine.kernels import onednn_ops
 from model.engine.options import DecodingOptions
 from model.engine.translator import Translator
 from model.network.tokenizer import Tokenizer
@@ -88,7 +89,7 @@ def test_inference_reads_the_embeddings_once_and_in_float16_where_exact(
     count; the reference runs packed at every row count too, so that only the release differs. For
     the same reason neither runs its small products on the fused kernels' ``linear`` or packed
     panels, which read only kept float weights.)"""
-    monkeypatch.setattr(kernels, "ATEN_MAX_ROWS", 0)
+    monkeypatch.setattr(onednn_ops, "ATEN_MAX_ROWS", 0)
     for variant in list(fused.FEW_ROWS):
         monkeypatch.setitem(fused.FEW_ROWS, variant, 0)
         monkeypatch.setitem(fused.PANEL_ROWS, variant, 0)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from model.engine import fused, kernels, loading
+from model.engine.kernels import fbgemm_ops
 from model.engine.batches import pad
 from model.engine.beams import Beams
 from model.engine.decoding import DecodeSession, Hypothesis, decode_stream
@@ -399,7 +400,7 @@ def test_int8_products_quantize_each_row_as_fbgemm_quantizes_a_tensor(variant: s
             assert torch.equal(alone[0], kernels_module.int8_linear(x, panels, colsums, scales, no_bias, False)[-1])
         one = torch.randn(1, k)
         with kernels.quantized_engine("fbgemm"):
-            fbgemm = torch.ops.quantized.linear_dynamic(one, kernels._pack_int8(w, b), True)
+            fbgemm = torch.ops.quantized.linear_dynamic(one, fbgemm_ops._pack_int8(w, b), True)
         torch.testing.assert_close(kernels_module.int8_linear(one, panels, colsums, scales, bias, False), fbgemm,
                                    atol=1e-5, rtol=1e-5)  # fmt: skip
     extreme = torch.full((32, 256), 127, dtype=torch.int8)

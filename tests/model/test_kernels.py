@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from model.engine import fused, kernels, loading
 from model.engine.features import AVX2_ONLY, AVX512_BF16, BASELINE, CpuFeatures, detected, fused_variant
-from model.engine.kernels import UnsupportedPrecision
+from model.engine.kernels import UnsupportedPrecision, fbgemm_ops, onednn_ops
 from model.network.linear import Linear, linear
 from tests.conftest import require
 from tests.factories import PACKED_FEATURES, assert_steps_match, packed_plan
@@ -257,7 +257,7 @@ def test_a_released_float32_layer_matches_f_linear(shape: tuple[int, ...], relu:
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("out_features", [70, kernels.ATEN_MAX_OUT + 1])
+@pytest.mark.parametrize("out_features", [70, onednn_ops.ATEN_MAX_OUT + 1])
 def test_a_bound_kernel_gives_what_the_kernel_gives(precision: str, out_features: int) -> None:
     """``kernels.bind`` (weights looked up once, for the decoder step) = the layer's kernel, at
     every row count the step sees (one row takes F.linear below ATEN_MAX_OUT, padded buckets
@@ -284,7 +284,7 @@ def test_row_buckets_are_few_and_waste_at_most_half() -> None:
     """oneDNN sees few row counts (one primitive each), none half again the real one or more."""
     sizes = [kernels.bucket_rows(r) for r in range(1, 5000)]
     assert all(r <= s < 1.5 * r for r, s in enumerate(sizes, 1))
-    assert sizes == sorted(sizes) and sizes[: kernels.EXACT_ROWS] == list(range(1, kernels.EXACT_ROWS + 1))
+    assert sizes == sorted(sizes) and sizes[: onednn_ops.EXACT_ROWS] == list(range(1, onednn_ops.EXACT_ROWS + 1))
     assert all(kernels.bucket_rows(s) == s for s in sizes)  # a bucket is its own bucket
     expected = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
     assert sorted(set(sizes[: kernels.ONEDNN_MAX_ROWS])) == expected
@@ -302,14 +302,14 @@ def test_more_rows_than_onednn_takes_run_in_chunks_of_known_shapes(monkeypatch: 
     torch.manual_seed(0)
     layer = kernels.install(Linear(48, 70), plan)
     weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
-    matmul = kernels._matmul
+    matmul = onednn_ops._matmul
     calls: list[int] = []
 
     def counted(x: torch.Tensor, *args: object) -> torch.Tensor:
         calls.append(x.shape[0])
         return matmul(x, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(kernels, "_matmul", counted)
+    monkeypatch.setattr(onednn_ops, "_matmul", counted)
     limit = kernels.ONEDNN_MAX_ROWS
     with torch.inference_mode():
         bound = kernels.bind(layer.kernel, layer.weight, layer.bias)
@@ -433,7 +433,7 @@ def test_int8_kernel_is_close_to_float32(cpu: str) -> None:
 @pytest.mark.parametrize("precision", [p for p in ("float32", "int8") if _runnable(p)])
 def test_packed_copy_follows_in_place_updates_and_is_freed(precision: str) -> None:
     plan = kernels.choose("cpu", precision, fused=False)  # (float32 with the fused kernels: F.linear until released)
-    cache = kernels._int8_packed if precision == "int8" else kernels._onednn_packed
+    cache = fbgemm_ops._int8_packed if precision == "int8" else onednn_ops._onednn_packed
     torch.manual_seed(1)
     layer = kernels.install(Linear(16, 8, bias=False), plan)
     x = torch.randn(4, 16)
