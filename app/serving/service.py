@@ -26,10 +26,10 @@ from app.settings import Settings
 from model import checkpoint
 from model.engine import kernels, loading
 from model.engine.allocator import release_free_memory
+from model.engine.binding import step_dtype
 from model.engine.decoding import Hypothesis
 from model.engine.kernels import KernelPlan
 from model.engine.options import DecodingOptions
-from model.engine.step import step_dtype
 from model.engine.translator import AttentionResult, Translator
 from model.network.attention_words import merge_pieces, word_alignment
 from model.network.precision import resolve_precision

@@ -20,10 +20,12 @@ import torch
 
 from model.engine import fused
 from model.engine.beams import Beams, Hypothesis, cat_padded
+from model.engine.binding import step_dtype
 from model.engine.cache import KVCache, init_cache, moves_of
+from model.engine.encoder import EncoderPass
 from model.engine.options import DecodingOptions
 from model.engine.shortlist import Shortlist, Vocabulary
-from model.engine.step import DecoderStep, EncoderPass, bound_passes, step_dtype
+from model.engine.step import DecoderStep, bound_passes
 from model.network.transformer import Transformer
 
 
@@ -376,10 +378,11 @@ class DecodeSession:
             self_mask = None if self_mask is None else self_mask[computed]
         step_in = (tokens, cache, rows.memory_mask, positions, self_mask)
         columns = None if vocab is None else vocab.columns()  # each sentence's own candidates only
-        logits = decoder(*step_in, output=columns, rows=computed)
         own = None  # with a shortlist: each row's logits over its sentence's own columns
-        if isinstance(logits, tuple):
-            logits, own = logits
+        if columns is None:
+            logits = decoder(*step_in, rows=computed)
+        else:
+            logits, own = decoder.shortlisted(*step_in[:3], columns, *step_in[3:], rows=computed)
             own = own if own.dtype == torch.float32 else own.float()
         if logits.dtype != torch.float32:
             logits = logits.float()

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from model.engine.batches import pad, token_batches
+from model.engine.binding import step_dtype
 from model.engine.decoding import Decoded, DecodeSession, Finished, Hypothesis, collect, decode_stream
 from model.engine.options import DecodingOptions
 from model.engine.shortlist import Shortlist, Vocabulary
-from model.engine.step import step_dtype
 from model.network.tokenizer import Tokenizer
 from model.network.transformer import AttentionMaps, Transformer
 

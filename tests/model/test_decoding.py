@@ -11,9 +11,10 @@ from model.engine.batches import pad
 from model.engine.beams import TOP_K_BLOCK, top_k
 from model.engine.cache import Spare, init_cache
 from model.engine.decoding import DecodeSession, decode, decode_stream
+from model.engine.encoder import EncoderPass
 from model.engine.features import detected, fused_variant
 from model.engine.options import DecodingOptions
-from model.engine.step import DecoderStep, EncoderPass
+from model.engine.step import DecoderStep
 from model.network.transformer import Transformer
 from tests.conftest import require
 from tests.factories import V, assert_steps_match
@@ -112,8 +113,8 @@ def test_the_encoder_pass_encodes_a_long_batch_in_groups_of_sentences(
     encoder's (float32: to rounding; int8 quantizes each group's activations with a scale of
     its own where fbgemm runs them, so both are as close to the float32 encoder as int8 gets; the
     fused kernels' int8 product quantizes each row apart, and then the two are equal)."""
+    from model.engine import encoder as step_module
     from model.engine import kernels
-    from model.engine import step as step_module
 
     model = make_model(seed=5)
     src = pad(sources(7, seed=4, min_len=20, max_len=30), 0)  # (7, S), 21 <= S <= 31

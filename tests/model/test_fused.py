@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from model.engine import fused, kernels, loading
-from model.engine.kernels import fbgemm_ops
 from model.engine.batches import pad
 from model.engine.beams import Beams
 from model.engine.decoding import DecodeSession, Hypothesis, decode_stream
+from model.engine.encoder import EncoderPass
 from model.engine.features import (
     AVX2_ONLY,
     AVX512_BF16,
@@ -30,9 +30,10 @@ from model.engine.features import (
     fused_variant,
     runnable_variants,
 )
+from model.engine.kernels import fbgemm_ops
 from model.engine.options import DecodingOptions
 from model.engine.shortlist import ShortlistColumns
-from model.engine.step import DecoderStep, EncoderPass, bound_passes
+from model.engine.step import DecoderStep, bound_passes
 from model.engine.translator import Translator
 from model.network.transformer import Transformer
 from tests.conftest import ROOT, require
@@ -952,7 +953,7 @@ def test_the_encoder_on_panels_alone_computes_no_padding(variant: str, monkeypat
     much padding its batch gave it (bit for bit); groups of at most ``ENCODER_CHUNK_TOKENS``
     tokens, whole sentences, give the one-pass memory. The attention kernel alone gives the
     padded kernel's numbers exactly, and refuses offsets that do not cover its rows."""
-    from model.engine import step as step_module
+    from model.engine import encoder as step_module
 
     kernels_module = fused.load(built(variant))
     assert kernels_module is not None

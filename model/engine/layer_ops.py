@@ -1,0 +1,222 @@
+"""The operations between a pass's matrix products, behind one interface with two
+implementations: ``TensorOps`` (torch's tensor operations: the reference, any device and
+dtype) and ``FusedOps`` (one call of the fused C++ kernels each, float32 activations on the
+CPU). ``DecoderStep`` and ``EncoderPass`` write each layer once, per normalization order, and
+call these; which implementation runs is chosen once, when the pass is bound
+(``layer_ops``). The two give the same results to float rounding (tests/model/test_fused.py).
+
+A step's ``begin`` prepares what every layer of that step shares (masks as additive biases or
+row maps) and returns it as the context the layers' calls take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from model.engine.binding import Norm
+from model.engine.cache import CrossAttentionCache, SelfAttentionCache
+from model.network.attention import attend
+
+_ALL_VISIBLE = torch.empty(0, dtype=torch.bool)  # ``self_attend``'s mask when every row sees every cached key
+_EVERY_ROW = torch.empty(0, dtype=torch.long)  # the kernels' row maps when a step computes every row
+
+
+def additive_mask(mask: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """mask (B, 1, 1, K) bool (True: may attend) -> bias (B*H, 1, K), 0 where allowed and the
+    dtype's minimum where blocked (a weight of exactly 0 after softmax, like ``fill_blocked``);
+    None when nothing is blocked."""
+    if bool(mask.all()):
+        return None
+    b, k = mask.shape[0], mask.shape[-1]
+    bias = torch.zeros(b, 1, 1, k, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    return bias.expand(b, heads, 1, k).reshape(b * heads, 1, k)
+
+
+def attend_scaled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """q (N, Tq, Dh) already scaled, k and v (N, Tk, Dh), bias (N, 1, Tk) | None -> (N, Tq, Dh)."""
+    scores = torch.bmm(q, k.transpose(1, 2)) if bias is None else torch.baddbmm(bias, q, k.transpose(1, 2))
+    return torch.bmm(torch.softmax(scores, dim=-1), v)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """A decoder step's rows: R rows, B sentences, W hypotheses a sentence (R = B * W, or the
+    computed rows' count with ``rows``), H heads of Dh."""
+
+    rows: int
+    sentences: int
+    width: int
+    heads: int
+    head_dim: int
+
+
+class LayerOps(Protocol):
+    """What a decoder step and an encoder pass run between their matrix products."""
+
+    def embed(self, tokens: torch.Tensor, table: torch.Tensor, where: torch.Tensor, scale: float) -> torch.Tensor:
+        """tokens (R,) ids, table (V, D), where (D,) or (R, D) positions -> scale * table[tokens] + where."""
+        ...
+
+    def begin(
+        self,
+        shape: StepShape,
+        memory_mask: torch.Tensor,
+        memory_bias: torch.Tensor | None,
+        self_mask: torch.Tensor | None,
+        rows: torch.Tensor | None,
+        sentences: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> object:
+        """What every layer of one decoder step shares (its masks), as the layers' context."""
+        ...
+
+    def self_attention(self, step: object, qkv: torch.Tensor, cache: SelfAttentionCache) -> torch.Tensor:
+        """qkv (R, 3D) -> the heads' outputs merged (R, D); K, V written into ``cache`` first."""
+        ...
+
+    def cross_attention(self, step: object, q: torch.Tensor, cache: CrossAttentionCache) -> torch.Tensor:
+        """q (R, D) over the sentences' memory K, V in ``cache`` -> (R, D)."""
+        ...
+
+    def encoder_attention(self, qkv: torch.Tensor, mask: torch.Tensor, b: int, s: int) -> torch.Tensor:
+        """qkv (B*S, 3D), mask (B, 1, 1, S) bool -> the heads' outputs merged (B*S, D)."""
+        ...
+
+    def join(self, x: torch.Tensor, y: torch.Tensor, norm: Norm, post: bool) -> torch.Tensor:
+        """A sub-layer's output y joins the stream x: post-LN norm(x + y); pre-LN x + y."""
+        ...
+
+
+@dataclass(frozen=True)
+class _TensorStep:
+    shape: StepShape
+    self_bias: torch.Tensor | None
+    cross_bias: torch.Tensor | None
+
+
+class TensorOps:
+    """Attention as ``bmm`` over (rows x heads) batches, the 1/sqrt(Dh) scale folded into the
+    copy that lays the queries out, masks as additive biases (``baddbmm``); joins and the
+    embedding as tensor expressions."""
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        self.heads, self.head_dim = heads, head_dim
+        # 1/sqrt(Dh) as a 0-d float32 tensor: a Python float in ``torch.mul`` is wrapped and
+        # converted on every call; the same float32 value either way.
+        self.scale = torch.tensor(1.0 / head_dim**0.5, dtype=torch.float32)
+
+    def embed(self, tokens: torch.Tensor, table: torch.Tensor, where: torch.Tensor, scale: float) -> torch.Tensor:
+        embedded = F.embedding(tokens, table)
+        if embedded.dtype != where.dtype:  # a float16 lookup table (loading.release_output_projection)
+            embedded = embedded.to(where.dtype)
+        return torch.add(where, embedded, alpha=scale)  # (R, D)
+
+    def begin(
+        self,
+        shape: StepShape,
+        memory_mask: torch.Tensor,
+        memory_bias: torch.Tensor | None,
+        self_mask: torch.Tensor | None,
+        rows: torch.Tensor | None,
+        sentences: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> _TensorStep:
+        if rows is not None:
+            raise ValueError("computing some of the rows needs the fused kernels")
+        self_bias = None if self_mask is None else additive_mask(self_mask, shape.heads, dtype)
+        return _TensorStep(shape, self_bias, memory_bias)
+
+    def self_attention(self, step: object, qkv: torch.Tensor, cache: SelfAttentionCache) -> torch.Tensor:
+        assert isinstance(step, _TensorStep)
+        r, h, dh = step.shape.rows, self.heads, self.head_dim
+        d = h * dh
+        q = torch.mul(qkv[:, :d], self.scale).view(r * h, 1, dh)
+        cache.write(qkv[:, d : 2 * d].view(r, h, 1, dh), qkv[:, 2 * d :].view(r, h, 1, dh))
+        k, v = cache.flat()  # (R*H, L+1, Dh)
+        return attend_scaled(q, k, v, step.self_bias).view(r, d)  # (R*H, 1, Dh) is (R, D)
+
+    def cross_attention(self, step: object, q: torch.Tensor, cache: CrossAttentionCache) -> torch.Tensor:
+        """A sentence's W hypotheses query its memory together."""
+        assert isinstance(step, _TensorStep)
+        r, b, w, h, dh = step.shape.rows, step.shape.sentences, step.shape.width, self.heads, self.head_dim
+        d = h * dh
+        q = torch.mul(q, self.scale)  # (R, D)
+        q = q.view(b * h, 1, dh) if w == 1 else q.view(b, w, h, dh).transpose(1, 2).reshape(b * h, w, dh)
+        out = attend_scaled(q, *cache.flat, step.cross_bias)  # (B*H, W, Dh)
+        return out.view(r, d) if w == 1 else out.view(b, h, w, dh).transpose(1, 2).reshape(r, d)
+
+    def encoder_attention(self, qkv: torch.Tensor, mask: torch.Tensor, b: int, s: int) -> torch.Tensor:
+        h, d = self.heads, self.heads * self.head_dim
+        q, k, v = qkv.view(b, s, 3, h, d // h).permute(2, 0, 3, 1, 4)  # (B, H, S, Dh) each
+        out, _ = attend(q, k, v, mask)
+        return out.transpose(1, 2).reshape(b * s, d)  # heads merged, rows in (B, S) order
+
+    def join(self, x: torch.Tensor, y: torch.Tensor, norm: Norm, post: bool) -> torch.Tensor:
+        return norm(x + y) if post else x + y
+
+
+@dataclass(frozen=True)
+class _FusedStep:
+    visible: torch.Tensor  # (R, L+1) bool, or empty: every row sees every key
+    source: torch.Tensor  # (B, S) bool
+    cache_rows: torch.Tensor  # the computed rows, or empty: every row
+    sentences: torch.Tensor  # each computed row's sentence, or empty
+
+
+class FusedOps:
+    """Each attention sub-layer (cache write, scores, softmax, weighted sum, heads merged), each
+    post-LN join and the embedding in one call of the fused kernels (``model.engine.fused``)."""
+
+    def __init__(self, kernels: ModuleType, heads: int, head_dim: int) -> None:
+        self.kernels, self.heads = kernels, heads
+        self.scale = 1.0 / head_dim**0.5  # the float the kernels take
+        self._memory_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (mask, mask[:, 0, 0])
+
+    def embed(self, tokens: torch.Tensor, table: torch.Tensor, where: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.kernels.embed(tokens, table, where, scale)
+
+    def begin(
+        self,
+        shape: StepShape,
+        memory_mask: torch.Tensor,
+        memory_bias: torch.Tensor | None,
+        self_mask: torch.Tensor | None,
+        rows: torch.Tensor | None,
+        sentences: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> _FusedStep:
+        visible = _ALL_VISIBLE if self_mask is None else self_mask.reshape(shape.rows, -1)
+        cached = self._memory_rows  # (read once: a step shared by two threads' sessions stays consistent)
+        if cached is None or cached[0] is not memory_mask:
+            cached = self._memory_rows = (memory_mask, memory_mask[:, 0, 0])  # (B, S) bool
+        every = _EVERY_ROW
+        return _FusedStep(
+            visible, cached[1], every if rows is None else rows, every if sentences is None else sentences
+        )
+
+    def self_attention(self, step: object, qkv: torch.Tensor, cache: SelfAttentionCache) -> torch.Tensor:
+        assert isinstance(step, _FusedStep)
+        k, v, position = cache.next_slot()
+        reorder = cache.take_deferred()  # the pending beam reorder, copied by the attention
+        return self.kernels.self_attend(qkv, k, v, position, step.visible, self.scale, step.cache_rows, reorder)
+
+    def cross_attention(self, step: object, q: torch.Tensor, cache: CrossAttentionCache) -> torch.Tensor:
+        assert isinstance(step, _FusedStep)
+        return self.kernels.cross_attend(q, cache.k, cache.v, step.source, self.scale, step.sentences)
+
+    def encoder_attention(self, qkv: torch.Tensor, mask: torch.Tensor, b: int, s: int) -> torch.Tensor:
+        return self.kernels.encoder_attend(qkv, mask.reshape(b, s).contiguous(), self.heads, self.scale)
+
+    def join(self, x: torch.Tensor, y: torch.Tensor, norm: Norm, post: bool) -> torch.Tensor:
+        """post-LN: norm(x + y) in place in x, one call."""
+        return self.kernels.add_norm_(x, y, norm.weight, norm.bias, norm.eps) if post else x + y
+
+
+def layer_ops(kernels: ModuleType | None, heads: int, head_dim: int) -> LayerOps:
+    """The fused kernels' operations where a pass runs on them, the tensor operations otherwise."""
+    return TensorOps(heads, head_dim) if kernels is None else FusedOps(kernels, heads, head_dim)
