@@ -77,7 +77,7 @@ BENCHMARKS = {
     "batching": "static against continuous batching in one process",
     "kernels": "per-call time of each linear kernel at the shipped model's shapes",
     "compile_step": "the small-batch decoder step eager against torch.compile (inductor)",
-    "plot": "charts of bench load and bench decode lines (docs/benchmarks.md's pictures)",
+    "plot": "charts of bench load and bench decode lines (the pictures of docs/benchmarks/)",
 }
 
 
@@ -86,7 +86,7 @@ def _bench(argv: list[str]) -> None:
 
     parser = argparse.ArgumentParser(
         prog="translator bench",
-        description="Run a benchmark from bench/ (results and commands: docs/benchmarks.md). "
+        description="Run a benchmark from bench/ (commands and results: docs/benchmarks/README.md). "
         "Needs the dev extra: pip install 'transformer-translator[dev]'.",
     )
     names = parser.add_subparsers(dest="name", metavar="NAME", required=True)

@@ -65,7 +65,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Neural machine translation (LibreTranslate-compatible /translate, attention maps).",
         version=version(),
         lifespan=lifespan,
-        # requests are traced by app.observability.tracing (a span per request, one per phase) and measured by
+        # requests are traced by app.observability.tracing (a span per request, one per phase) and timed by
         # app.observability.metrics: FastAPI's own OpenTelemetry instrumentation would add a second root span
         # per request wherever a global provider is set, and checks the providers on every request
         telemetry={

@@ -39,21 +39,23 @@ tokens in the tests. torch runs with ``torch.set_num_threads(--threads)``, and e
 process with oneDNN's primitive caches bounded by ``bound_onednn_cache`` (as the service runs;
 CTranslate2's oneDNN reads the same variable). Allocator: our systems' processes run on what
 ``--malloc`` means (default ``auto``: mimalloc where installed, as ``translator serve`` runs;
-``model.engine.allocator``), the peers' on ``--peer-malloc`` (default glibc, as they ship: under
-mimalloc CTranslate2's peaks were higher); glibc's malloc is tuned by ``tune_malloc`` in every
-process it serves. Each row names its process's allocator (``malloc``). Each system
-translates ``--warmup`` sentences, then times ``--repeat`` passes and reports the median
+``model.engine.allocator``), the peers' on ``--peer-malloc`` (default glibc, as they ship and
+where CTranslate2's peaks are lower:
+docs/benchmarks/log/2026-11-28.md#the-allocator-session-of-2026-11-28-1058); glibc's malloc is
+tuned by ``tune_malloc`` in every process it serves. Each row names its process's allocator
+(``malloc``). Each system translates ``--warmup`` sentences, then times ``--repeat`` passes and reports the median
 (``runs_s`` lists them all); a pass covers tokenization, batching, decoding and
-detokenization (source strings to target strings). This machine's speed drifts by 10-20%
-from minute to minute, so ratios are best read with ``--rounds N``: every system's process
-runs N times, round-robin, and the median round is reported (``rounds_s`` lists them all).
+detokenization (source strings to target strings). A shared host's speed drifts from minute
+to minute (docs/benchmarks/README.md), so ratios are best read with ``--rounds N``: every
+system's process runs N times, round-robin, and the median round is reported (``rounds_s`` lists them all).
 ``--streams N`` (batched systems): the sorted batches are dealt in turn to N threads, each
 decoding its own on ``--threads / N`` threads of arithmetic (ours: a translator of its own each
 with ``torch.set_num_threads`` in its thread; CTranslate2: N replicas, its ``inter_threads``), so
 one stream's bookkeeping overlaps another's matrix products and no thread waits at a parallel
 region's barrier; at 1 (the default) one stream runs every batch on all ``--threads``.
 Systems are not timed in one process: their thread pools (torch's and CTranslate2's OpenMP
-threads spin after each parallel region) slowed whichever ran next by up to 50%.
+threads spin after each parallel region) slow whichever runs next
+(docs/benchmarks/README.md#bench-decode).
 
 Metrics: ``tokens_per_s`` counts generated target pieces of the returned translations (EOS not
 counted). ``peak_mem_mb`` on the CPU is the process's peak resident set size during the timed run
@@ -67,8 +69,8 @@ just before the timed run, above the same baseline: the weights and what the run
 passes; ``peak_mem_mb - setup_mem_mb`` is a pass's working memory. By default each system runs in
 its own process (``--no-isolate`` runs them all in this one), so systems share no memory, thread
 pools or allocator caches, and a CTranslate2 process imports ``ctranslate2`` before torch: the other
-way round, CTranslate2 bound to torch's OpenMP runtime and ran several times slower (every
-CTranslate2 figure measured before that fix was too low; docs/benchmarks/log/2026-11-24.md). On CUDA it is
+way round, CTranslate2 binds to torch's OpenMP runtime and runs far slower
+(docs/benchmarks/README.md#numbers-behind-the-code). On CUDA it is
 ``torch.cuda.max_memory_allocated`` during the run minus the allocation before setup (torch systems
 only; null for CTranslate2, whose allocator torch cannot see).
 """

@@ -18,20 +18,21 @@ LibreTranslate itself: its rows say ``"batching": "external"``). Rows of servers
 mean of the two; both in ``offline_around``; a round's after is the next one's before) and
 ``of_offline`` (rps / offline_sps) to its rows:
 how close serving comes to the model's own batched throughput, each round against offline
-figures measured on both sides of it (a shared host's speed drifts between rounds and within
-minutes: one offline figure for all rounds made the ratios drift with it, and one before each
-round still moved a ratio by a third when the host sped up or slowed down during the round). With ``--rounds N``
-the rows also get ``rounds_offline_sps`` and ``rounds_of_offline``, every round's.
-The clients run in this process, on the same machine as the server, so they share its CPU:
-they speak HTTP/1.1 over keep-alive connections through asyncio streams (``Connection``), which
-cost a small fraction of the CPU httpx's async client took per request; with httpx the clients
-took a large share of the cores the server needed
+figures taken on both sides of it (a shared host's speed drifts between rounds and within
+minutes, so one offline figure, for all rounds or before each, moves the ratios with it:
+docs/benchmarks/log/2026-11-29.md#chunks-claimed-and-a-joiners-first-step-on-one-row-session-of-2026-11-29-1413).
+With ``--rounds N`` the rows also get ``rounds_offline_sps`` and ``rounds_of_offline``, every
+round's. The clients run in this process, on the same machine as the server, so they share its
+CPU: they speak HTTP/1.1 over keep-alive connections through asyncio streams (``Connection``),
+which cost a small fraction of the CPU httpx's async client took per request; with httpx the
+clients took a large share of the cores the server needed
 (docs/benchmarks/README.md#numbers-behind-the-code). Each row says how much: ``client_cores`` is
 the CPU time this process spent during the run over its wall time, and ``server_cores`` the
 server's (``process_cpu_seconds_total`` from its ``/metrics``, before and after; null for a
 server without it). For a server on this machine, ``server_threads`` splits the run's wall time
-per server thread into time on a CPU, time waiting for one and time asleep
-(``bench/threads.py``): where serving loses against offline."""
+per server thread into time on a CPU, time waiting for one and time asleep (``bench/threads.py``):
+where serving loses against offline.
+"""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ class LoadResult:
     errors: int
     beam_size: int
     offline_sps: float | None = None  # the same model offline on the same sentences (``--offline``)
-    offline_around: list[float] | None = None  # offline_sps measured before and after the round
+    offline_around: list[float] | None = None  # offline_sps taken before and after the round
     of_offline: float | None = None  # rps / offline_sps
     phases_ms: dict[str, float] | None = None  # median of each Server-Timing phase (servers that send it)
     client_cores: float | None = None  # this process's CPU seconds during the run / its wall seconds

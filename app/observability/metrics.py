@@ -20,7 +20,8 @@ disable_created_metrics()  # no *_created series: they double the exposition and
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192)
-# Phases of a request and single decoder steps run from ~50 us (tokenizing a short text) to seconds.
+# Phases of a request and single decoder steps run from tens of microseconds (tokenizing a short
+# text) to seconds.
 PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 

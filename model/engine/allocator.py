@@ -5,10 +5,9 @@ Which allocator: mimalloc where the system has it (Debian/Ubuntu ``libmimalloc2.
 ``torch.backends.xeon.run_cpu`` preloads tcmalloc or jemalloc), else glibc's malloc tuned as below.
 glibc keeps each arena's free blocks where they are, so the transients of batches of growing
 lengths (encoder activations, cross-attention K/V, fbgemm's int32 accumulators) leave holes the
-next batch's do not fit: after a pass over test_2016 in batches of 64 the heap held 44-52 MiB
-resident against a live peak of 19-26 MiB. mimalloc's size-segregated pages reuse them:
-``bench.decode`` peaks fell 15-49 MiB in three of four cells (int8 greedy, int8 and float32 beam 4)
-at the same speed (docs/benchmarks.md "The allocator"); loading, whose temporaries mimalloc would
+next batch's do not fit, and the heap stays resident far above the live peak. mimalloc's
+size-segregated pages reuse them: lower batch peaks at the same speed
+(docs/benchmarks/README.md#allocator); loading, whose temporaries mimalloc would
 keep, runs with them handed back as they are freed (``freeing_at_once``). Under glibc (``TRANSLATOR_MALLOC=glibc``,
 or no mimalloc installed):
 
@@ -16,8 +15,8 @@ torch's CPU allocator has no cache: every tensor is a fresh ``malloc``. glibc se
 above ``M_MMAP_THRESHOLD`` (128 KiB at first) with a new ``mmap`` and unmaps them on free, so
 each decoding step's logits and beam buffers (megabytes) are faulted in and zeroed page by
 page, again and again. Keeping such blocks in the heap (and not trimming it) saves most of
-those page faults and a good part of decoding time (docs/benchmarks.md "Numbers behind the
-code"). The cost is that the
+those page faults and a good part of decoding time (docs/benchmarks/README.md#allocator).
+The cost is that the
 process keeps its peak heap resident instead of returning it to the OS between batches.
 """
 
@@ -161,10 +160,10 @@ def release_free_memory() -> bool:
 # mimalloc hands a freed span back to the OS only after a delay (25 ms in 2.0), and only when the
 # segment that holds it is allocated from again; ``mi_collect`` does not hurry it. Loading a model
 # frees most of what it allocates (the float32 model that packed copies replace, the conversions'
-# temporaries), in segments decoding may never touch again: they stayed resident, 15-26 MiB a
-# model (docs/benchmarks.md "Loading on mimalloc"). With the delay at 0 they go back as they are
-# freed; decoding cannot run so (every step's freed buffers faulted in again: 35-40% slower), so
-# the delay is 0 only while loading. The option is set by its number: ``mi_option_decommit_delay``
+# temporaries), in segments decoding may never touch again: they stayed resident
+# (docs/benchmarks/README.md#allocator). With the delay at 0 they go back as they are freed;
+# decoding cannot run so (every step's freed buffers would be faulted in again), so the delay
+# is 0 only while loading. The option is set by its number: ``mi_option_decommit_delay``
 # in mimalloc 2.0, ``mi_option_purge_delay`` in the same slot in 2.1; other versions are left alone.
 _MI_DECOMMIT_DELAY = 15
 _MI_VERSIONS = range(200, 300)  # mi_version(): 209 for 2.0.9, 212 for 2.1.2
@@ -204,22 +203,19 @@ def _mimalloc() -> ctypes.CDLL | None:
     return lib
 
 
-# The decoder's KV cache is the one large long-lived allocation of decoding: at 64 sentences x beam 4
-# its self-attention buffers alone are ~66 MiB, reallocated (bigger or smaller) every few steps as
-# the batch's rows and lengths change. Served from the tuned heap above, each size change left
-# the old buffers behind as free heap between live blocks: after a continuous beam 4 run with 64
-# sentences the heap held 140-180 MiB free (resident) beside 120 MiB in use, until a
-# ``malloc_trim``. Buffers from pages of their own (an anonymous mmap, zeroed by the kernel) go
-# back to the OS the moment the cache drops them; a fresh buffer costs its page faults once per
+# The decoder's KV cache is the one large long-lived allocation of decoding, reallocated (bigger
+# or smaller) every few steps as the batch's rows and lengths change. Served from the tuned heap
+# above, each size change left the old buffers behind as free but resident heap between live
+# blocks until a ``malloc_trim``. Buffers from pages of their own (an anonymous mmap, zeroed by
+# the kernel) go back to the OS the moment the cache drops them; a fresh buffer costs its page faults once per
 # reallocation (every ``cache.SPARE_SLOTS`` steps), not every step like the per-step tensors
-# the heap keeps for (docs/benchmarks.md "Numbers behind the code").
+# the heap keeps for (docs/benchmarks/README.md#kv-cache).
 #
 # The mapping is private: Python's ``mmap.mmap(-1, size)`` maps shared anonymous memory, which the
 # kernel backs with a shmem file, so each page fault allocated a shmem folio and each unmap closed
-# the file; ~5% of a greedy batch's time [AMD EPYC Zen 3] went there. Private pages fault in
-# cheaper: batches of 64 greedy +4%, beam 4 level. (Huge pages on top, MADV_HUGEPAGE, were a
-# little faster again but made whole 2 MiB pages resident where a buffer's spare positions
-# were not touched yet: int8 batch peaks +6-18 MiB; docs/benchmarks.md "Admissions without padding".)
+# the file; private pages fault in cheaper. Huge pages on top (MADV_HUGEPAGE) are not advised:
+# they make whole 2 MiB pages resident where a buffer's spare positions are not touched yet
+# (docs/benchmarks/README.md#numbers-behind-the-code).
 OWN_PAGES_MIN_BYTES = 1 << 20
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
@@ -242,10 +238,10 @@ def zeroed_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
 # every step, so a server fills both with shapes it may never see again: oneDNN's primitive cache
 # (process-wide, 1,024 primitives by default, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and the
 # primitive-descriptor cache of ideep, torch's oneDNN wrapper (one per thread, 1,024 by default,
-# ``LRU_CACHE_CAPACITY``). An entry of either holds a brgemm matmul descriptor, ~0.27 MiB on
-# AVX2: with the defaults the model thread's descriptors alone kept ~270 MiB resident after a
-# soak. 64 entries each bound that memory; the cost is rebuilding the entries of shapes that come back
-# (docs/benchmarks.md "Numbers behind the code", docs/reliability.md "Memory").
+# ``LRU_CACHE_CAPACITY``). An entry of either holds a brgemm matmul descriptor, so with the
+# defaults a server's descriptors grew into a large share of its memory. 64 entries each bound
+# that memory; the cost is rebuilding the entries of shapes that come back
+# (docs/benchmarks/README.md#numbers-behind-the-code, docs/reliability.md "Memory").
 ONEDNN_PRIMITIVE_CACHE = 64
 IDEEP_DESCRIPTOR_CACHE = 64
 
@@ -262,11 +258,9 @@ def bound_onednn_cache(capacity: int = ONEDNN_PRIMITIVE_CACHE, descriptors: int 
 
 # MKL (torch's BLAS on x86: every float32 layer on Intel CPUs, kernels.choose) has a memory
 # manager of its own, "fast MM", that keeps every scratch buffer its GEMMs allocate for reuse and
-# never returns them. Batches of varied shapes grow that pool: after one bench.decode pass over
-# test_2016 in batches of 64 it held 26 MiB that no tensor used (glibc's mallinfo2 against every
-# live tensor's storage), a third of the batch's working memory. With it off MKL allocates
-# through malloc, whose tuned heap (above) reuses the blocks: bench.decode's peak fell 11-16 MiB
-# at no measurable speed cost (docs/benchmarks.md "Numbers behind the code"). MKL reads the
+# never returns them. Batches of varied shapes grow that pool with memory no tensor uses. With
+# it off MKL allocates through malloc, whose tuned heap (above) reuses the blocks: lower batch
+# peaks at no speed cost (docs/benchmarks/README.md#allocator). MKL reads the
 # variable once, while torch is being imported, so ``model/__init__.py`` sets it before anything
 # imports torch (app and bench import ``model`` first for that reason).
 MKL_FAST_MM = "MKL_DISABLE_FAST_MM"

@@ -11,8 +11,8 @@ import torch
 
 def pad(rows: Sequence[Sequence[int]], pad_id: int = 0) -> torch.Tensor:
     """Right-pad id lists into a (B, max_len) long tensor: the rows padded as Python lists, then
-    one tensor (about twice as fast as torch's ``pad_sequence`` on a tensor per row, from one row
-    to a training epoch's: docs/benchmarks.md "Numbers behind the code")."""
+    one tensor (faster than torch's ``pad_sequence`` on a tensor per row, from one row to a
+    training epoch's batches: docs/benchmarks/README.md#numbers-behind-the-code)."""
     if not rows:
         return torch.zeros(0, 0, dtype=torch.long)
     width = max(map(len, rows))

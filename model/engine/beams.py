@@ -37,13 +37,13 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest values of each row and their columns, best first. x: (R, V) -> (R, k), (R, k).
 
     ``torch.topk`` (and ``argmax``) over an 8,000-way row cost many times a row's ``amax`` on the
-    CPU (docs/benchmarks.md "Numbers behind the code"). So rows are cut into blocks of
+    CPU (docs/benchmarks/README.md#numbers-behind-the-code). So rows are cut into blocks of
     ``TOP_K_BLOCK``: the k blocks with the largest maxima hold the k largest values (any value
     outside them is beaten by k block maxima), and ``topk`` only ranks those k blocks' scores
     (ties between equal values may break differently from ``torch.topk``). Other devices,
     rows too short for it to pay off, and fewer than ``TOP_K_BLOCK_ROWS`` rows (its dozen
-    operations cost more than ``topk`` itself there: 142 against 33 us at one row of 8,000,
-    156 against 94 at four, 502 against 807 at 64, AMD EPYC Naples) use ``torch.topk``.
+    operations cost more than ``topk`` itself there: docs/benchmarks/README.md#numbers-behind-the-code)
+    use ``torch.topk``.
     """
     r, v = x.shape
     blocks, tail = divmod(v, TOP_K_BLOCK)
@@ -90,7 +90,8 @@ class Beams:
 
     A sentence joins with one live hypothesis (BOS, score 0) and K - 1 at -inf, so its first
     step's K best candidates all extend the live one. A batch's first step runs one row per
-    sentence (the others would be copies of it; K rows cost more row-steps: docs/benchmarks.md);
+    sentence (the others would be copies of it; K rows cost more row-steps:
+    docs/benchmarks/README.md#numbers-behind-the-code);
     sentences that join a running batch get K rows, like everyone else in it by then (with the fused
     kernels their first step computes only the first of them: ``advance``'s ``rows``).
     """
@@ -256,7 +257,8 @@ class Beams:
     def hypotheses(self, sentences: list[int], n_best: int, alpha: float) -> list[list[Hypothesis]]:
         """The n best of each of these active sentences (already sorted by normalized score),
         read from the device in one go for all of them (a greedy batch of 64 finishes a sentence
-        or two at most steps; read one at a time they cost ~0.1 ms each)."""
+        or two at most steps, and each read from the device has a fixed cost:
+        docs/benchmarks/log/2026-11-29.md#greedy-rows-leave-in-place-session-of-2026-11-29-0048)."""
         index = torch.tensor(sentences, device=self.scores.device)
         lengths = self.length[index, :n_best].tolist()
         # each penalty on its own, as one element (torch's pow takes a vectorized path for longer

@@ -5,8 +5,8 @@ x beam width), one more position every step, and beam search's back-pointers reo
 every step. They live in preallocated buffers. ``reorder(rows)`` follows the back-pointers,
 drops finished rows, forgets positions no row can see any more and makes room for sentences
 that join, all in one copy: the valid part is gathered straight into a spare buffer
-(``index_select(..., out=)``, several times faster than gathering into a temporary and copying
-it back: docs/benchmarks.md "Numbers behind the code"), and the buffer it came from becomes the
+(``index_select(..., out=)``, one copy instead of a gather into a temporary and a copy back:
+docs/benchmarks/README.md#numbers-behind-the-code), and the buffer it came from becomes the
 spare. The buffers of every layer's keys and values are the same size and are reordered one
 after the other, so one ``Spare`` serves them all: 2L + 1 buffers for L layers, not a twin each.
 On the fused kernels the copy is left to the next step (``defer``): each layer's self-attention
@@ -19,8 +19,8 @@ sentence when it joins and stored once per *sentence*: the ``width`` consecutive
 sentence (its hypotheses) share them, so they are never copied per beam or reordered.
 Sentences joining a running batch are written behind the others, and sentences leaving it
 are replaced by ones moved from the back, so only the rows that change are copied (copying
-the whole memory every time a sentence joined or left cost a continuously fed batch a few
-percent of its throughput: docs/benchmarks.md "Numbers behind the code").
+the whole memory every time a sentence joined or left cost a continuously fed batch
+part of its throughput: docs/benchmarks/README.md#numbers-behind-the-code).
 
 ``LayerCache`` is one decoder layer's pair and ``KVCache`` every layer's; the invariants
 that tie the halves together (self rows = sentences x width) are checked there, on host ints.
@@ -103,8 +103,8 @@ class Spare:
 
 
 # Moves (target row, source row) that a compaction copies one row at a time; more go through one
-# indexed copy. A row copy is one small ATen call (~6 us measured in a greedy pass); an indexed
-# copy costs ~40 us a buffer however few rows it moves (docs/benchmarks.md "Greedy rows leave in place").
+# indexed copy: a row copy is one small ATen call, while an indexed copy has a fixed cost per
+# buffer however few rows it moves (docs/benchmarks/README.md#kv-cache).
 FEW_MOVES = 8
 
 
@@ -139,7 +139,7 @@ class SelfAttentionCache:
     the limits. ``reorder(rows, room=1)``, which beam search calls every step, lays the copy out
     with ``slots = length + 1``, so after the next append the cached K/V are one contiguous
     block: the attention matmuls over strided K/V ran markedly slower on the CPU
-    (docs/benchmarks.md "Numbers behind the code").
+    (docs/benchmarks/README.md#numbers-behind-the-code).
     """
 
     def __init__(

@@ -404,10 +404,11 @@ class DecodeSession:
         last step: (R',) every row but a joiner's K - 1 copies of its first (a sentence joins with
         K identical rows, the copies at -inf, and all K of its next hypotheses extend the first
         row: its copies' keys and values at this position are never read), and for the beams'
-        advance each row's logits row (A*K,), -1 for a copy. A continuously fed beam-4 batch
-        decoded ~5% more rows than sorted batches for these copies (docs/benchmarks.md "A
-        joiner's first step on one row"). (None, None): every row (no joiner, greedy search, the
-        batch's first step at one row a sentence, or no fused kernels)."""
+        advance each row's logits row (A*K,), -1 for a copy. Computing the copies made a
+        continuously fed beam batch decode more rows than sorted batches
+        (docs/benchmarks/log/2026-11-29.md#a-joiners-first-step-on-one-row). (None, None): every
+        row (no joiner, greedy search, the batch's first step at one row a sentence, or no fused
+        kernels)."""
         rows = self._rows
         w, now = rows.width, self.steps
         if w == 1 or decoder.fused is None or self._kernels is None or max(rows.start_host) < now:

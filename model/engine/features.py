@@ -89,9 +89,9 @@ class CpuFeatures:
         return "avx2" if self.avx2 else "baseline"
 
 
-AVX512_BF16 = CpuFeatures(True, True, True, True, False, True, f16c=True)  # e.g. AMD Zen 4/5
-AVX512_NO_VNNI = CpuFeatures(True, True, True, f16c=True)  # AVX-512 without VNNI or BF16: e.g. Intel Skylake-SP
-AVX2_ONLY = CpuFeatures(avx2=True, fma=True, f16c=True)  # e.g. AMD EPYC Naples (Zen 1), Intel Haswell
+AVX512_BF16 = CpuFeatures(True, True, True, True, False, True, f16c=True)  # AVX-512 with VNNI and BF16
+AVX512_NO_VNNI = CpuFeatures(True, True, True, f16c=True)  # AVX-512 without VNNI or BF16
+AVX2_ONLY = CpuFeatures(avx2=True, fma=True, f16c=True)  # AVX2 and FMA, no AVX-512
 BASELINE = CpuFeatures()  # no AVX2: old x86, or another architecture
 
 

@@ -137,11 +137,10 @@ def vocabulary_label(shortlist: Shortlist | None) -> str:
 def use_shortlist(ckpt: Checkpoint, wanted: bool = True) -> Shortlist | None:
     """The shortlist decoding will use: the folder's, where ``wanted`` and it pays. int8 decodes
     the whole vocabulary: its output projection (int8 rows on fbgemm) costs less than the
-    shortlist's float rows (docs/benchmarks.md "The lexical shortlist": 804 against 706
-    sentences/s greedy). Where one is returned, the whole-vocabulary projection leaves the
-    decoding path (``shortlist_output``): decoding scores the rows the shortlist gathers from
-    the token table, and only the rare teacher-forced pass (``/attention``) projects onto every
-    piece. Call before decoding with the model."""
+    shortlist's float rows (docs/benchmarks/README.md#shortlist). Where one is returned, the
+    whole-vocabulary projection leaves the decoding path (``shortlist_output``): decoding scores
+    the rows the shortlist gathers from the token table, and only the rare teacher-forced pass
+    (``/attention``) projects onto every piece. Call before decoding with the model."""
     if not wanted or ckpt.plan.precision == "int8":
         return None
     found = load_shortlist(ckpt.path, ckpt.config.tgt_vocab_size)

@@ -1,7 +1,7 @@
 """A lexical shortlist: the target pieces worth scoring for a source sentence, so a decoder
 step projects onto a few thousand rows of the output matrix instead of the whole vocabulary
-(the output projection was a third of a step's arithmetic and almost half the bytes it reads
-at one sentence; docs/benchmarks.md "The lexical shortlist").
+(at one sentence the output projection is a large share of the bytes a step reads:
+docs/benchmarks/README.md#shortlist).
 
 The candidates of a sentence are the specials, the ``frequent`` most common target pieces of
 the training data, the source's own pieces (names and numbers are copied through the joint
@@ -11,8 +11,8 @@ CTranslate2's vocabulary shortlists do with word alignments. Each row of a decod
 scores ``always`` and its own sentence's other candidates, nothing else (``Vocabulary``), so a
 sentence's translation does not depend on its batch; it is an approximation all the same:
 a token the model would choose that is outside a sentence's candidates cannot be chosen (and
-log-probabilities are normalized over its candidates). How close it stays is measured per direction on the validation
-split (docs/benchmarks.md): the parameters were chosen there, never on test.
+log-probabilities are normalized over its candidates). The parameters were chosen per direction
+on the validation split, never on test (docs/benchmarks/README.md#shortlist).
 
 ``model.training.shortlists`` builds it from a checkpoint's training data;
 ``model.engine.loading.load_shortlist`` reads it.
@@ -95,7 +95,7 @@ class Shortlist:
         mark = torch.zeros(b, v, dtype=torch.bool, device=device)  # (sentence, piece): a candidate
         mark[sentence, pieces] = True
         mark[owner, targets] = True
-        found = mark.nonzero()  # (N, 2) by sentence, then id (no sort: unique() sorted 10x slower)
+        found = mark.nonzero()  # (N, 2) by sentence, then id (no sort: unique() sorts, which costs more)
         return list(found[:, 1].split(mark.sum(dim=1).tolist()))
 
     def to(self, device: torch.device) -> Shortlist:
@@ -178,9 +178,9 @@ class Vocabulary:
     that stay, in their new order, without moving their rows.
 
     Before, the columns were the union of the active sentences' candidates, every row scoring
-    every sentence's columns (a -inf bias kept each to its own): ~4,000 columns a row at 64
-    sentences where its own are ~2,100, and in a continuously fed batch the columns of sentences
-    that had left lingered until a remake paid (docs/benchmarks.md "Each sentence's own shortlist columns")."""
+    every sentence's columns (a -inf bias kept each to its own), far more columns a row than its
+    own in a large batch, and in a continuously fed batch the columns of sentences that had left
+    lingered until a remake paid (docs/benchmarks/README.md#shortlist)."""
 
     def __init__(self, shortlist: Shortlist, matrix: torch.Tensor, dtype: torch.dtype) -> None:
         """matrix (V, D) the output projection; its rows are scored in ``dtype``."""

@@ -162,8 +162,9 @@ class Translator:
         """The shortlist's columns for a new session, unless a live one decodes with them (then
         the new session makes its own). Every session of the translator, batch by batch
         (``decode_stream``) or continuous (``open_session``), takes them over in turn: the
-        always-candidates' rows are gathered once, not once a call (~1-2 ms, a tenth of one
-        sentence's decoding). A translator serves one thread at a time."""
+        always-candidates' rows are gathered once, not once a call (a gather that is a sizeable
+        part of one sentence's decoding: docs/benchmarks/README.md#numbers-behind-the-code). A
+        translator serves one thread at a time."""
         if self.shortlist is None:
             return None
         if self._vocabulary is None:

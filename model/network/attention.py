@@ -20,7 +20,8 @@ from model.network.masks import causal_mask, fill_blocked
 
 # Up to this many queries per head (incremental decoding: one query per hypothesis, or a
 # sentence's beam of queries against its memory), plain matmul-softmax-matmul is faster than
-# SDPA's CPU kernels, whose set-up dominates at these sizes (docs/benchmarks.md "Numbers behind the code").
+# SDPA's CPU kernels, whose set-up dominates at these sizes
+# (docs/benchmarks/README.md#numbers-behind-the-code).
 SMALL_QUERY = 8
 
 AttentionOutput = tuple[torch.Tensor, torch.Tensor | None]

@@ -47,7 +47,7 @@ class Tokenizer:
 
     # One call per text: sentencepiece's list API starts a thread pool on every call, which
     # costs far more than the encoding itself and competes with the model's threads in the
-    # service (docs/benchmarks.md "Numbers behind the code").
+    # service (docs/benchmarks/README.md#numbers-behind-the-code).
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Encode texts to ids (no BOS/EOS)."""
         return [list(self.sp.encode(text, out_type=int)) for text in texts]

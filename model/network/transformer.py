@@ -32,7 +32,7 @@ class AttentionMaps:
 
 def dropout(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
     """``module(x)``, skipped at inference: an inactive ``nn.Dropout`` still dispatches an op
-    (13 of the 325 per beam-4 decoder step, docs/benchmarks.md)."""
+    (a few percent of a decoder step's operations: docs/benchmarks/README.md#optimizations)."""
     return module(x) if module.training and module.p > 0 else x
 
 

@@ -5,7 +5,7 @@
 Each epoch: training with label-smoothed cross entropy, then validation loss and greedy
 validation BLEU, an epoch checkpoint, a JSONL log line and the resumable state. At the end:
 checkpoint averaging, selection on validation BLEU, and the final checkpoint folder
-(``OUT/model``) with its measured scores in ``metrics.json``. A config with ``[data] directions``
+(``OUT/model``) with its scores in ``metrics.json``. A config with ``[data] directions``
 trains one many-to-many model on all of them (``Trainer.many``: target tags on the source side).
 """
 
