@@ -144,7 +144,7 @@ class AppState:
             signal.signal(sig, on_signal)
 
     def cut_off(self) -> None:
-        """The drain timeout passed: requests still waiting get 503 (see ``routes.until_disconnect``)."""
+        """The drain timeout passed: requests still waiting get 503 (see ``app.http.disconnect.until_disconnect``)."""
         if self.requests:
             log.warning("drain timeout: %d requests cut off", len(self.requests))
         for task in list(self.requests):
