@@ -39,8 +39,8 @@ from app.storage.ratelimit import client_id
 
 M = TypeVar("M", bound=BaseModel)
 
-# JSON nested deeper than this is refused before validation walks it (no request needs more
-# than 3 levels; Python's recursion limit was reached at ~950 and answered 500).
+# JSON nested deeper than this is refused before validation walks it: no request needs more
+# than 3 levels, and deep enough nesting reaches Python's recursion limit (a 500).
 MAX_JSON_DEPTH = 32
 # Form fields that are lists (a repeated key, or one value); q is a list only when repeated.
 FORM_LISTS = frozenset({"layers", "heads", "kinds"})
@@ -51,8 +51,7 @@ API_KEY_HEADER = APIKeyHeader(name="X-API-Key", auto_error=False, description=f"
 BEARER = HTTPBearer(auto_error=False, description=f"API key as a bearer token: {KEYS_NOTE}")
 # The key's two headers are read by ``header_key`` (FastAPI's own readers, called directly), not
 # declared as ``Security`` dependencies: each dependency FastAPI resolves costs the event loop
-# per request, and the key's three (its two headers and the settings) were a seventh of a cached
-# translation's CPU time (docs/benchmarks.md "The event loop's time a request"). So the keyed
+# time on every request (docs/benchmarks.md "The event loop's time a request"). So the keyed
 # routes state them in the document themselves: ``keyed`` makes their ``openapi_extra``, the
 # schemes go in its components (``security_schemes``, added by ``app.main``).
 KEY_SCHEMES = (API_KEY_HEADER, BEARER)
@@ -72,8 +71,8 @@ def security_schemes() -> dict[str, Any]:
 
 
 # Dependencies are ``async def`` even where they do not await: FastAPI runs a plain ``def``
-# dependency in its thread pool, a hand-off per request that cost the event loop a fifth of its
-# time at 64 clients (docs/benchmarks.md "Serving: the event loop's share").
+# dependency in its thread pool, a hand-off on every request (docs/benchmarks.md "Serving: the
+# event loop's share").
 async def get_state(request: Request) -> AppState:
     state: AppState = request.app.state.translator
     return state
@@ -115,8 +114,8 @@ async def read_body(request: Request) -> dict[str, Any]:
     (LibreTranslate reads every parameter from any of them, also on POST) -> a dict of plain
     values, every string valid Unicode and nesting at most ``MAX_JSON_DEPTH`` deep (else 400)."""
     raw = await request.body()
-    # (the raw query string, not ``request.url``: that builds the whole URL, 3% of the event
-    # loop's CPU a /translate at 64 clients, for a part that is almost always empty)
+    # (the raw query string, not ``request.url``: that builds the whole URL on every request,
+    # for a part that is almost always empty)
     try:
         query_string = request.scope["query_string"].decode()
     except UnicodeDecodeError:
