@@ -14,10 +14,9 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from app import version
-from app.http import errors, openapi
+from app.http import errors, openapi, routes
 from app.http.deps import security_schemes
 from app.http.middleware import BodyLimitMiddleware, DirectRoutes, JsonCorsMiddleware, RequestContextMiddleware
-from app.http.routes import STATIC, build_router, direct_translate
 from app.http.uploads import FORM_OVERHEAD
 from app.observability import tracing
 from app.serving.state import AppState
@@ -82,11 +81,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # the request models state this server's limits (its settings, its checkpoints' config.json)
     facts = openapi.model_facts(settings.weights_dir, settings.load_only)
     models = openapi.request_models(settings, facts)
-    app.include_router(build_router(models))
-    if STATIC.is_dir():
-        app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    routes.include(app, models)
+    if routes.STATIC.is_dir():
+        app.mount("/static", StaticFiles(directory=routes.STATIC), name="static")
     # POST /translate past the router; added first, so innermost: the middleware added after it wrap it too
-    direct = {("POST", "/translate"): direct_translate(models)}
+    direct = {("POST", "/translate"): routes.translate_app}
     app.add_middleware(DirectRoutes, routes=direct, handlers=app.exception_handlers)
     if settings.cors_origins:
         app.add_middleware(

@@ -1,7 +1,8 @@
 """What a route declares in its signature instead of fetching by hand: the app's state and
 settings, the API key, and the request body (JSON or form, checked, then validated).
 
-``body(Model)`` makes the body dependency of one request model. It is the order of the checks
+``read_payload`` reads the body of one request model (``translate_body`` and the others, the
+dependencies of the routes, take the app's own models: ``request_models``). It is the order of the checks
 that matters, so nobody probes validation without a key and no input can reach a 500:
 
 1. the key from ``X-API-Key`` or ``Authorization: Bearer`` (403 before the body is read);
@@ -13,14 +14,13 @@ that matters, so nobody probes validation without a key and no input can reach a
 5. validation into the model (400 ``validation_error``), then the client's character limit
    (400 ``too_many_characters``).
 
-(No ``from __future__ import annotations`` here: the dependencies made by the factories below
-annotate with their closures' values, which FastAPI reads from the signature at run time.)
+(No ``from __future__ import annotations`` here: FastAPI reads the dependencies' annotations at
+run time.)
 """
 
 import hmac
 import json
-from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, Protocol, TypeVar
+from typing import Annotated, Any, TypeVar
 from urllib.parse import parse_qs
 
 from fastapi import Depends, Request
@@ -28,6 +28,8 @@ from fastapi.security import APIKeyHeader, HTTPBearer
 from pydantic import BaseModel, ValidationError
 
 from app.http.errors import describe_validation
+from app.http.openapi import RequestModels
+from app.http.schemas import AttentionRequest, DetectRequest, SuggestRequest, TranslateRequest
 from app.observability import timing
 from app.serving.errors import BAD_REQUEST, ApiError
 from app.serving.service import TranslationService
@@ -37,8 +39,8 @@ from app.storage.ratelimit import client_id
 
 M = TypeVar("M", bound=BaseModel)
 
-# JSON nested deeper than this is refused before validation walks it (no request needs more
-# than 3 levels; Python's recursion limit was reached at ~950 and answered 500).
+# JSON nested deeper than this is refused before validation walks it: no request needs more
+# than 3 levels, and deep enough nesting reaches Python's recursion limit (a 500).
 MAX_JSON_DEPTH = 32
 # Form fields that are lists (a repeated key, or one value); q is a list only when repeated.
 FORM_LISTS = frozenset({"layers", "heads", "kinds"})
@@ -49,8 +51,7 @@ API_KEY_HEADER = APIKeyHeader(name="X-API-Key", auto_error=False, description=f"
 BEARER = HTTPBearer(auto_error=False, description=f"API key as a bearer token: {KEYS_NOTE}")
 # The key's two headers are read by ``header_key`` (FastAPI's own readers, called directly), not
 # declared as ``Security`` dependencies: each dependency FastAPI resolves costs the event loop
-# per request, and the key's three (its two headers and the settings) were a seventh of a cached
-# translation's CPU time (docs/benchmarks.md "The event loop's time a request"). So the keyed
+# time on every request (docs/benchmarks.md "The event loop's time a request"). So the keyed
 # routes state them in the document themselves: ``keyed`` makes their ``openapi_extra``, the
 # schemes go in its components (``security_schemes``, added by ``app.main``).
 KEY_SCHEMES = (API_KEY_HEADER, BEARER)
@@ -70,8 +71,8 @@ def security_schemes() -> dict[str, Any]:
 
 
 # Dependencies are ``async def`` even where they do not await: FastAPI runs a plain ``def``
-# dependency in its thread pool, a hand-off per request that cost the event loop a fifth of its
-# time at 64 clients (docs/benchmarks.md "Serving: the event loop's share").
+# dependency in its thread pool, a hand-off on every request (docs/benchmarks.md "Serving: the
+# event loop's share").
 async def get_state(request: Request) -> AppState:
     state: AppState = request.app.state.translator
     return state
@@ -113,8 +114,8 @@ async def read_body(request: Request) -> dict[str, Any]:
     (LibreTranslate reads every parameter from any of them, also on POST) -> a dict of plain
     values, every string valid Unicode and nesting at most ``MAX_JSON_DEPTH`` deep (else 400)."""
     raw = await request.body()
-    # (the raw query string, not ``request.url``: that builds the whole URL, 3% of the event
-    # loop's CPU a /translate at 64 clients, for a part that is almost always empty)
+    # (the raw query string, not ``request.url``: that builds the whole URL on every request,
+    # for a part that is almost always empty)
     try:
         query_string = request.scope["query_string"].decode()
     except UnicodeDecodeError:
@@ -199,47 +200,59 @@ def check_characters(body: BaseModel, limit: int) -> None:
         raise ApiError(BAD_REQUEST, "too_many_characters", f"q: {total} characters in this request; at most {limit}")
 
 
-def body(model: type[M]) -> Callable[..., Awaitable[M]]:
-    """The dependency that reads, checks and validates a request body into ``model`` (the steps
-    in this module's docstring). Make it once per route and reuse it: FastAPI caches a
-    dependency's value per request by the callable, so the route and ``ServiceDep``-style
-    dependencies built on it share one body."""
-
-    async def dependency(request: Request, state: StateDep) -> M:
-        settings = state.settings
-        key = await header_key(request, settings)
-        data = await read_body(request)
-        if key is None:
-            given = data.get("api_key")
-            key = given if isinstance(given, str) else None
-            check_api_key(key, settings)
-        address = request.client.host if request.client else None
-        client = client_id(key if key in settings.known_keys else None, address)
-        await state.rate_limiter.hit(client)  # RateLimited: 429 (app.http.errors.refusal)
-        payload = validated(model, data)
-        check_characters(payload, state.rate_limiter.limits_for(client).chars)
-        timing.parsed()
-        return payload
-
-    dependency.__name__ = f"{model.__name__}_body"
-    return dependency
+async def read_payload(model: type[M], request: Request, state: AppState) -> M:
+    """A request body read, checked and validated into ``model`` (the steps in this module's
+    docstring)."""
+    settings = state.settings
+    key = await header_key(request, settings)
+    data = await read_body(request)
+    if key is None:
+        given = data.get("api_key")
+        key = given if isinstance(given, str) else None
+        check_api_key(key, settings)
+    address = request.client.host if request.client else None
+    client = client_id(key if key in settings.known_keys else None, address)
+    await state.rate_limiter.hit(client)  # RateLimited: 429 (app.http.errors.refusal)
+    payload = validated(model, data)
+    check_characters(payload, state.rate_limiter.limits_for(client).chars)
+    timing.parsed()
+    return payload
 
 
-class Directed(Protocol):
-    """A request body that names a direction."""
+def request_models(request: Request) -> RequestModels:
+    """The request models of the app serving ``request`` (``app.http.routes.include`` keeps them),
+    which its routes publish: a body is validated into the model its route states."""
+    models: RequestModels = request.app.state.request_models
+    return models
 
-    source: str
-    target: str
+
+# One dependency per body, each a plain function: FastAPI caches a dependency's value per request
+# by the callable, so a route and the dependencies built on its body share one read.
+async def translate_body(request: Request, state: StateDep) -> TranslateRequest:
+    return await read_payload(request_models(request).translate, request, state)
 
 
-def direction_service(
-    body_dependency: Callable[..., Awaitable[Directed]],
-) -> Callable[..., Awaitable[TranslationService]]:
-    """The dependency that gives the ``TranslationService`` of the direction the body (read by
-    ``body_dependency``, one made by ``body``) names: 503 while loading, 400 for a pair no
-    model serves."""
+async def attention_body(request: Request, state: StateDep) -> AttentionRequest:
+    return await read_payload(request_models(request).attention, request, state)
 
-    async def dependency(state: StateDep, payload: Annotated[Directed, Depends(body_dependency)]) -> TranslationService:
-        return state.service(payload.source, payload.target)
 
-    return dependency
+async def detect_body(request: Request, state: StateDep) -> DetectRequest:
+    return await read_payload(request_models(request).detect, request, state)
+
+
+async def suggest_body(request: Request, state: StateDep) -> SuggestRequest:
+    return await read_payload(request_models(request).suggest, request, state)
+
+
+AttentionBody = Annotated[AttentionRequest, Depends(attention_body)]
+DetectBody = Annotated[DetectRequest, Depends(detect_body)]
+SuggestBody = Annotated[SuggestRequest, Depends(suggest_body)]
+
+
+async def attention_service(payload: AttentionBody, state: StateDep) -> TranslationService:
+    """The ``TranslationService`` of the direction the /attention body names: 503 while loading,
+    400 for a pair no model serves."""
+    return state.service(payload.source, payload.target)
+
+
+AttentionService = Annotated[TranslationService, Depends(attention_service)]

@@ -9,9 +9,6 @@ are kept in memory (``app.storage.files.FileStore``).
 
 from __future__ import annotations
 
-import re
-import unicodedata
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -158,25 +155,6 @@ async def admit(request: Request, state: AppState, key: str | None, upload: Uplo
     client = client_id(key if key in settings.known_keys else None, address)
     await state.rate_limiter.hit(client)
     return client
-
-
-def check_characters(texts: Sequence[str], limit: int) -> None:
-    """A document's text counts against the client's character limit as /translate's texts do."""
-    total = sum(len(text) for text in texts)
-    if limit and total > limit:
-        raise ApiError(BAD_REQUEST, "too_many_characters", f"file: {total} characters of text; at most {limit}")
-
-
-_UNSAFE = re.compile(r"[^\w .()+-]+")
-
-
-def safe_filename(given: str, suffix: str) -> str:
-    """The client's file name as a download's name: no folders, no characters a header or a
-    file system could misread, at most 100 characters, the format's suffix."""
-    base = unicodedata.normalize("NFC", given.replace("\\", "/").rsplit("/", 1)[-1])
-    stem = base[: -len(suffix)] if base.lower().endswith(suffix) else base
-    stem = _UNSAFE.sub("_", stem).strip(" ._")[:100].rstrip(" ._")
-    return f"{stem or 'document'}{suffix}"
 
 
 def download(stored: StoredFile) -> Response:

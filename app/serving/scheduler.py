@@ -116,7 +116,7 @@ class ModelCall:
 Work = Job | ModelCall
 
 
-# What a model does next (``BatchScheduler._poll``): one of these four.
+# What a model does next (``BatchScheduler.take``): one of these four.
 @dataclass(frozen=True)
 class Admit:
     """These jobs join the running batch (a new batch when ``fresh``), then it steps."""
@@ -189,7 +189,7 @@ class BatchScheduler:
         self._cond = self.thread.cond  # one lock for the thread and all its schedulers
         self._closing = False
         self._idle_due = False  # work was done since ``on_idle`` last ran
-        self._busy = False  # a decision taken from ``_poll`` is being carried out
+        self._busy = False  # a decision it took (``take``) is being carried out
         self._rate = Throughput()  # sentences answered per second, for Retry-After
         self._arrivals = Throughput()  # sentences queued per second: is company worth waiting for?
 
@@ -211,9 +211,9 @@ class BatchScheduler:
         more; a model thread of its own stops."""
         deadline = None if timeout is None else time.perf_counter() + timeout
         with self._cond:
-            self._closing = True
+            self.stop_accepting()
             self._cond.notify_all()
-            self._cond.wait_for(self._done, timeout)
+            self._cond.wait_for(self.drained, timeout)
         if self._owns_thread:
             self.thread.close(None if deadline is None else max(0.0, deadline - time.perf_counter()))
 
@@ -276,12 +276,33 @@ class BatchScheduler:
             self.metrics.queue_depth.inc(len(jobs))
             self._cond.notify_all()  # (the model thread; ``close`` callers share the condition)
 
-    # --- the model thread -----------------------------------------------------------------
-    def _done(self) -> bool:
-        """Closing, and nothing of this model is left to do (lock held)."""
+    # --- the model thread's side (``ModelThread``), its lock held unless said ------------------
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def stop_accepting(self) -> None:
+        """Take no new work (``SchedulerClosed``); what is queued still runs."""
+        self._closing = True
+
+    def drained(self) -> bool:
+        """Closing, and nothing of this model is left to do."""
         return self._closing and not self._pending and not self._running and not self._busy
 
-    def _poll(self, now: float) -> Decision | float | None:
+    def take(self, now: float) -> Decision | float | None:
+        """What this model does next (``_decide``); a decision taken is this model's until the
+        thread has carried it out (``carry_out``) and says so (``carried_out``), so ``close``
+        waits for it."""
+        decision = self._decide(now)
+        if decision is not None and not isinstance(decision, float):
+            self._busy = True
+        return decision
+
+    def carried_out(self) -> None:
+        """The decision ``take`` gave is done (``drained`` may now hold)."""
+        self._busy = False
+
+    def _decide(self, now: float) -> Decision | float | None:
         """What this model does next, decided under the lock without waiting: a decision; or
         the ``perf_counter()`` time to look again (an idle model waiting for company up to
         ``max_wait``); or None (nothing to do). With a running batch: a model call that is oldest
@@ -312,8 +333,8 @@ class BatchScheduler:
         self._options = oldest.options
         return Admit(self._take_compatible(), fresh=True)
 
-    def _execute(self, decision: Decision) -> None:
-        """Carry out a decision of ``_poll`` (model thread, lock not held)."""
+    def carry_out(self, decision: Decision) -> None:
+        """Carry out a decision of ``take`` (on the model thread, the lock not held)."""
         if isinstance(decision, Idle):
             # out of work: drop the ended batch's session (its cache buffers are as large as
             # its largest step), then the idle hook
@@ -357,10 +378,9 @@ class BatchScheduler:
         """Whether the queued jobs wait another step before joining the running batch, to join
         it in a larger group: while it has fewer than ``join_group`` free places (the model is
         saturated), for at most ``max_join_wait_s`` after the oldest was queued. Each admission
-        runs the encoder once, and much of a pass's cost does not grow with its sentences (on 2
-        cores one sentence took ~1 ms, eight ~0.6 ms a sentence): joining ~2 at every step,
-        admissions cost ~1.8x as much a sentence as in sorted batches of 64 (docs/benchmarks.md
-        "Joiners in groups"). With ``join_group`` places free nobody waits."""
+        runs the encoder once, and much of a pass's cost does not grow with its sentences, so a
+        few joiners at every step cost far more a sentence than sorted batches
+        (docs/benchmarks.md "Joiners in groups"). With ``join_group`` places free nobody waits."""
         lim = self.limits
         group = min(lim.join_group, lim.max_sentences)
         if lim.max_sentences - len(self._running) >= group:
@@ -413,7 +433,7 @@ class BatchScheduler:
         if fresh or self._session is None:
             assert self._options is not None
             # the last batch's session, emptied, when it decodes with these options (a client's
-            # back-to-back requests): a new one costs ~100 tensor operations to set up
+            # back-to-back requests): setting up a new one takes many small tensor operations
             if not (self._session is not None and self._session.active == 0 and self._session_options == self._options):
                 self._session, self._session_options = self.open_session(self._options), self._options
         with self._cond:  # a job cancelled before it has a tag is dropped here, after it is in _cancelled
@@ -469,9 +489,9 @@ class ModelThread:
     """The one thread that runs all model work of a process: loading, warm-up, and every
     scheduler's steps, admissions and calls, taking turns (one decision of one model at a
     time, round robin over the models with work). torch's OpenMP pool is per calling thread,
-    and once more pool threads exist than cores, libgomp throttles their spin-waiting: with a
-    thread per model a lone sentence decoded about 2x slower than with one thread for all
-    (docs/benchmarks.md "Numbers behind the code"). Steps are milliseconds, so models take
+    and once more pool threads exist than cores, libgomp throttles their spin-waiting, which
+    slows a thread per model down well below one thread for all (docs/benchmarks.md "Numbers
+    behind the code"). Steps are milliseconds, so models take
     turns at that grain."""
 
     def __init__(self, name: str = "model") -> None:
@@ -519,7 +539,7 @@ class ModelThread:
         with self.cond:
             self._closing = True
             for scheduler in self._schedulers:
-                scheduler._closing = True
+                scheduler.stop_accepting()
             self.cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -538,8 +558,8 @@ class ModelThread:
                 log.exception("model thread: unexpected error, carrying on")
             if scheduler is not None:
                 with self.cond:
-                    scheduler._busy = False
-                    if scheduler._closing:
+                    scheduler.carried_out()
+                    if scheduler.closing:
                         self.cond.notify_all()  # (``BatchScheduler.close`` may wait for it)
 
     def _next(self) -> tuple[BatchScheduler | None, Callable[[], None]] | None:
@@ -555,14 +575,13 @@ class ModelThread:
             count = len(self._schedulers)
             for i in range(count):
                 scheduler = self._schedulers[(self._turn + i) % count]
-                decision = scheduler._poll(now)
+                decision = scheduler.take(now)
                 if isinstance(decision, float):
                     wake = min(wake, decision)
                 elif decision is not None:
                     self._turn = (self._turn + i + 1) % count
-                    scheduler._busy = True
-                    return scheduler, functools.partial(scheduler._execute, decision)
-            if self._closing and all(s._done() for s in self._schedulers):
+                    return scheduler, functools.partial(scheduler.carry_out, decision)
+            if self._closing and all(s.drained() for s in self._schedulers):
                 return None
             self.cond.wait(None if wake == math.inf else max(0.0, wake - now))
 
@@ -604,7 +623,7 @@ def _deliver(job: Work, result: Any) -> None:
 
 def _deliver_all(answers: Sequence[tuple[Job, list[Hypothesis]]]) -> None:
     """Answer a step's sentences with one wake-up per event loop: each ``call_soon_threadsafe``
-    writes to the loop's self-pipe, a visible share of the model thread's time at 64 clients
+    writes to the loop's self-pipe, a visible share of the model thread's time under load
     (docs/benchmarks.md "Numbers behind the code")."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, list[Hypothesis]]]] = {}
     for job, result in answers:

@@ -37,14 +37,14 @@ log = logging.getLogger(__name__)
 
 
 def freeze_startup_objects() -> int:
-    """Leave every object alive now (modules, models, schemas: ~250,000 with torch, FastAPI and
-    pydantic loaded) out of the cyclic garbage collector's full passes from now on -> how many.
+    """Leave every object alive now (modules, models, schemas: hundreds of thousands with torch,
+    FastAPI and pydantic loaded) out of the cyclic garbage collector's full passes from now on
+    -> how many.
 
-    Requests allocate enough to run a full pass every ~1,000 of them, and each walked all of
-    those objects while holding Python's lock, stalling the model thread too: a cached
-    /translate took 0.17 ms of collection a request before, ~0.05 after (docs/benchmarks.md
-    "Serving: the collector and the framework's share"). Objects made later are collected as
-    before; a frozen one is still freed when its last reference goes."""
+    Requests allocate enough to run full passes regularly, and each walked all of those objects
+    while holding Python's lock, stalling the model thread too (docs/benchmarks.md "Serving: the
+    collector and the framework's share"). Objects made later are collected as before; a frozen
+    one is still freed when its last reference goes."""
     gc.collect()  # what start-up left as garbage goes now, not frozen in
     gc.freeze()
     return gc.get_freeze_count()
@@ -144,7 +144,7 @@ class AppState:
             signal.signal(sig, on_signal)
 
     def cut_off(self) -> None:
-        """The drain timeout passed: requests still waiting get 503 (see ``routes.until_disconnect``)."""
+        """The drain timeout passed: requests still waiting get 503 (see ``app.http.disconnect.until_disconnect``)."""
         if self.requests:
             log.warning("drain timeout: %d requests cut off", len(self.requests))
         for task in list(self.requests):

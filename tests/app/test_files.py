@@ -19,7 +19,8 @@ import srt
 from fastapi.testclient import TestClient
 
 from app.formats.documents import DocumentError, ZipLimits, check_zip
-from app.http.uploads import FORM_OVERHEAD, safe_filename
+from app.http.uploads import FORM_OVERHEAD
+from app.serving.translate import safe_filename
 from app.settings import Settings
 from tests.factories import assert_error, start
 
