@@ -51,7 +51,7 @@ API_KEY_HEADER = APIKeyHeader(name="X-API-Key", auto_error=False, description=f"
 BEARER = HTTPBearer(auto_error=False, description=f"API key as a bearer token: {KEYS_NOTE}")
 # The key's two headers are read by ``header_key`` (FastAPI's own readers, called directly), not
 # declared as ``Security`` dependencies: each dependency FastAPI resolves costs the event loop
-# time on every request (docs/benchmarks.md "The event loop's time a request"). So the keyed
+# time on every request (docs/benchmarks/README.md#event-loop). So the keyed
 # routes state them in the document themselves: ``keyed`` makes their ``openapi_extra``, the
 # schemes go in its components (``security_schemes``, added by ``app.main``).
 KEY_SCHEMES = (API_KEY_HEADER, BEARER)
@@ -71,8 +71,8 @@ def security_schemes() -> dict[str, Any]:
 
 
 # Dependencies are ``async def`` even where they do not await: FastAPI runs a plain ``def``
-# dependency in its thread pool, a hand-off on every request (docs/benchmarks.md "Serving: the
-# event loop's share").
+# dependency in its thread pool, a hand-off on every request
+# (docs/benchmarks/README.md#event-loop).
 async def get_state(request: Request) -> AppState:
     state: AppState = request.app.state.translator
     return state

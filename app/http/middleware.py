@@ -100,8 +100,8 @@ class DirectRoutes:
     """Requests for a few busy routes, by exact method and path, go straight to their ASGI apps
     past the router; everything else goes on to the app. FastAPI's path to a route's handler
     (route matching, the request's exit stacks, the handler's dependency resolution) is event
-    loop CPU that, on a small machine, the model's threads wait for (docs/benchmarks.md "The
-    event loop's share past the router").
+    loop CPU that, on a small machine, the model's threads wait for
+    (docs/benchmarks/README.md#event-loop).
 
     What a direct app raises is answered by the app's own exception handlers (``handlers``,
     as the router's routes are: Starlette's ExceptionMiddleware around each); anything no

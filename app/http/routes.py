@@ -139,7 +139,7 @@ async def translate(request: Request) -> Response:
 async def translate_app(scope: Scope, receive: Receive, send: Send) -> None:
     """POST /translate as a bare ASGI app, the one way it is served: ``create_app`` hands it the
     requests past FastAPI's router (``app.http.middleware.DirectRoutes``; why:
-    docs/benchmarks.md "The event loop's share past the router"), and the router's /translate
+    docs/benchmarks/README.md#event-loop), and the router's /translate
     route, which the OpenAPI document describes, runs it too. The body is read by calling its
     dependency (``translate_body``) and the answer is its JSON bytes; the document states both."""
     response = await translate(Request(scope, receive, send))

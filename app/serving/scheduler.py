@@ -380,7 +380,8 @@ class BatchScheduler:
         saturated), for at most ``max_join_wait_s`` after the oldest was queued. Each admission
         runs the encoder once, and much of a pass's cost does not grow with its sentences, so a
         few joiners at every step cost far more a sentence than sorted batches
-        (docs/benchmarks.md "Joiners in groups"). With ``join_group`` places free nobody waits."""
+        (docs/benchmarks/log/2026-11-29.md#joiners-in-groups-session-of-2026-11-29-1952). With
+        ``join_group`` places free nobody waits."""
         lim = self.limits
         group = min(lim.join_group, lim.max_sentences)
         if lim.max_sentences - len(self._running) >= group:
@@ -391,7 +392,7 @@ class BatchScheduler:
         """Whether another sentence is likely to arrive within ``max_wait`` (at the arrival rate
         of the last seconds). Waiting lets joiners be encoded together, but with continuous
         batching later arrivals join the running batch anyway, so an idle model waits only
-        when the wait is likely to fill it: never for a lone client (docs/benchmarks.md)."""
+        when the wait is likely to fill it: never for a lone client (docs/benchmarks/README.md#event-loop)."""
         return self._arrivals.per_second() * self.limits.max_wait_s >= 1
 
     def _pop_call(self) -> ModelCall:
@@ -490,8 +491,8 @@ class ModelThread:
     scheduler's steps, admissions and calls, taking turns (one decision of one model at a
     time, round robin over the models with work). torch's OpenMP pool is per calling thread,
     and once more pool threads exist than cores, libgomp throttles their spin-waiting, which
-    slows a thread per model down well below one thread for all (docs/benchmarks.md "Numbers
-    behind the code"). Steps are milliseconds, so models take
+    slows a thread per model down well below one thread for all
+    (docs/benchmarks/README.md#numbers-behind-the-code). Steps are milliseconds, so models take
     turns at that grain."""
 
     def __init__(self, name: str = "model") -> None:
@@ -624,7 +625,7 @@ def _deliver(job: Work, result: Any) -> None:
 def _deliver_all(answers: Sequence[tuple[Job, list[Hypothesis]]]) -> None:
     """Answer a step's sentences with one wake-up per event loop: each ``call_soon_threadsafe``
     writes to the loop's self-pipe, a visible share of the model thread's time under load
-    (docs/benchmarks.md "Numbers behind the code")."""
+    (docs/benchmarks/README.md#numbers-behind-the-code)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, list[Hypothesis]]]] = {}
     for job, result in answers:
         by_loop.setdefault(job.loop, []).append((job, result))

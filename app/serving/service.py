@@ -45,8 +45,7 @@ ALIGN_CHUNK = 8
 # A model's freed heap goes back to the OS (``release_free_memory``) once it has had no work for
 # this long, not between one client's back-to-back requests: handing it back after each one
 # made the next one fault its pages in again, slowing its admission and decoding
-# (docs/benchmarks.md "Small-row matrix products"); the memory falls back as before once the
-# traffic pauses (the soak's idle samples come 2 s after its load).
+# (docs/benchmarks/README.md#allocator); the memory falls back once the traffic pauses.
 TRIM_AFTER_IDLE_S = 0.5
 
 

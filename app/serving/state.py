@@ -42,8 +42,8 @@ def freeze_startup_objects() -> int:
     -> how many.
 
     Requests allocate enough to run full passes regularly, and each walked all of those objects
-    while holding Python's lock, stalling the model thread too (docs/benchmarks.md "Serving: the
-    collector and the framework's share"). Objects made later are collected as before; a frozen
+    while holding Python's lock, stalling the model thread too
+    (docs/benchmarks/README.md#event-loop). Objects made later are collected as before; a frozen
     one is still freed when its last reference goes."""
     gc.collect()  # what start-up left as garbage goes now, not frozen in
     gc.freeze()

@@ -85,10 +85,10 @@ class Norm:
 @dataclass(frozen=True)
 class FewRows:
     """Products of at most ``limit`` rows on the fused kernels' own matrix product (``linear``:
-    the weights streamed with a prefetch, bias and ReLU in the same pass; ~30% faster than MKL at
-    4 rows, ~10% at one: docs/benchmarks.md "Small-row matrix products"), and of up to
-    ``panel_limit`` rows on a copy of the weight packed into panels (``panel_linear``, packed at
-    the layer's first such call; faster than MKL from 5 rows to a few hundred: "Packed panels");
+    the weights streamed with a prefetch, bias and ReLU in the same pass: faster than MKL there),
+    and of up to ``panel_limit`` rows on a copy of the weight packed into panels (``panel_linear``,
+    packed at the layer's first such call: faster than MKL up to a few hundred rows;
+    docs/benchmarks/README.md#linear-kernels);
     more rows, or a weight they cannot read (packed int8 or oneDNN weights, a float16 table), on
     the bound kernel. An int8 layer of fbgemm's takes the kernels' own int8 product
     (``int8_linear``) up to ``int8_limit`` rows (``fused.INT8_ROWS``), on its quantized weight
@@ -113,7 +113,7 @@ class FewRows:
         int8, whose float weight may be kept for lookups or as a reference), and its products of
         more, up to ``panel_limit``, on packed panels where the layer runs MKL (``aten``: a model
         that kept its float weights; ``loading.load`` gives such layers their panels alone) and
-        ``panels`` (not for the output projection: a vocabulary-wide copy, never measured)."""
+        ``panels`` (not for the output projection: a vocabulary-wide copy whose gain is unknown)."""
         kernels = self.kernels
         if kernels is None:
             return bound
@@ -144,7 +144,7 @@ class FewRows:
     ) -> BoundLinear:
         """``bound`` for an int8 layer (fbgemm's), its products of up to ``int8_limit`` rows on the
         kernels' ``int8_linear`` (fbgemm's quantized weight, packed into their panels now; each
-        row's activations quantized apart: docs/benchmarks.md "An int8 product of our own")."""
+        row's activations quantized apart: docs/benchmarks/README.md#linear-kernels)."""
         kernels = self.kernels
         ours = int8_panels(kernel, weight, bias, kernels) if self.int8_limit > 0 and kernels is not None else None
         if ours is None:

@@ -103,8 +103,7 @@ class DecoderStep:
         kernels, only the sentences' tokens are projected and K, V are zeros at the padded
         positions, which the mask hides: sentences join a running batch in groups padded to
         their longest, as ``EncoderPass._unpadded`` says, and these products were the
-        admissions' largest cost after the encoder (docs/benchmarks.md "Marian on the Zen 5, and
-        serving against offline measured again")."""
+        admissions' largest cost after the encoder (docs/benchmarks/README.md#encoder-chunk)."""
         b, s, d = memory.shape
         flat = memory.reshape(b * s, d)
         tokens = None  # (T,) the tokens' places in (B, S) order, where there is padding
@@ -256,7 +255,7 @@ class DecoderStep:
 
 
 # Each model's passes, bound once: a decoding session starts with them instead of binding every
-# layer again (~0.4 ms, a few percent of one sentence's decoding: docs/benchmarks.md "The fused step").
+# layer again, a few percent of one sentence's decoding (docs/benchmarks/README.md#fused-step).
 _PASSES: weakref.WeakKeyDictionary[Transformer, _Passes] = weakref.WeakKeyDictionary()
 
 
