@@ -197,7 +197,7 @@ def bind_layer(module: Linear, fast: bool, few: FewRows) -> BoundLinear:
 
 
 @dataclass(frozen=True)
-class DecoderLayerWeights:
+class BoundDecoderLayer:
     """One decoder layer's weights, bound: self-attention (fused QKV, output), cross-attention
     (query, output; its K/V come projected in the cache), feed-forward, and the three norms."""
 
@@ -212,7 +212,7 @@ class DecoderLayerWeights:
     ff_norm: Norm
 
     @classmethod
-    def of(cls, layer: DecoderLayer, fast: bool, few: FewRows) -> DecoderLayerWeights:
+    def of(cls, layer: DecoderLayer, fast: bool, few: FewRows) -> BoundDecoderLayer:
         def b(module: Linear) -> BoundLinear:
             return bind_layer(module, fast, few)
 
@@ -249,7 +249,7 @@ def panel_stack(
 
 
 @dataclass(frozen=True)
-class EncoderLayerWeights:
+class BoundEncoderLayer:
     """One encoder layer's weights, bound: fused QKV, attention output, feed-forward, two norms."""
 
     qkv: BoundLinear
@@ -260,7 +260,7 @@ class EncoderLayerWeights:
     ff_norm: Norm
 
     @classmethod
-    def of(cls, layer: EncoderLayer, fast: bool, few: FewRows) -> EncoderLayerWeights:
+    def of(cls, layer: EncoderLayer, fast: bool, few: FewRows) -> BoundEncoderLayer:
         def b(module: Linear) -> BoundLinear:
             return bind_layer(module, fast, few)
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from model.engine.binding import EncoderLayerWeights, Norm, few_rows_of, fused_kernels, model_device, panel_stack
+from model.engine.binding import BoundEncoderLayer, Norm, few_rows_of, fused_kernels, model_device, panel_stack
 from model.engine.layer_ops import layer_ops
 from model.network.linear import uses_kernels
 from model.network.masks import padding_mask
@@ -46,7 +46,7 @@ class EncoderPass:
         # of a few sentences' rows far below its peak ("Packed panels")
         self.fused = fused_kernels(model, fast)
         few = few_rows_of(model, self.fused)
-        self.layers = [EncoderLayerWeights.of(layer, fast, few) for layer in model.encoder_layers]
+        self.layers = [BoundEncoderLayer.of(layer, fast, few) for layer in model.encoder_layers]
         self.final_norm = None if model.encoder_norm is None else Norm.of(model.encoder_norm)
         self.scale = 1.0 / math.sqrt(cfg.d_model // cfg.n_heads)
         self.ops = layer_ops(self.fused, cfg.n_heads, cfg.d_model // cfg.n_heads)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from model.engine.binding import (
-    DecoderLayerWeights,
+    BoundDecoderLayer,
     Norm,
     bind_layer,
     few_rows_of,
@@ -62,7 +62,7 @@ class DecoderStep:
         self.fused = fused_kernels(model, fast)
         self.ops = layer_ops(self.fused, self.heads, self.head_dim)
         self.few_rows = few_rows_of(model, self.fused)
-        self.layers = [DecoderLayerWeights.of(layer, fast, self.few_rows) for layer in model.decoder_layers]
+        self.layers = [BoundDecoderLayer.of(layer, fast, self.few_rows) for layer in model.decoder_layers]
         # where every product runs on packed panels, all layers of a step in one call
         self.stack = None if self.norm_first else panel_stack(self.fused, [
             ([layer.self_attn.qkv, layer.self_attn.out, layer.cross_attn.q, layer.cross_attn.out, layer.ff.fc1,
