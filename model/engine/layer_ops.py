@@ -11,6 +11,7 @@ row maps) and returns it as the context the layers' calls take.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
@@ -66,7 +67,6 @@ class LayerOps(Protocol):
         self,
         shape: StepShape,
         memory_mask: torch.Tensor,
-        memory_bias: torch.Tensor | None,
         self_mask: torch.Tensor | None,
         rows: torch.Tensor | None,
         sentences: torch.Tensor | None,
@@ -91,6 +91,16 @@ class LayerOps(Protocol):
         """A sub-layer's output y joins the stream x: post-LN norm(x + y); pre-LN x + y."""
         ...
 
+    # Whether a memory's cross-attention K/V are projected for its tokens alone (the padding's
+    # left zeros, which the mask hides): sentences join a running batch in groups padded to
+    # their longest.
+    projects_tokens_only: bool
+
+    def split_kv(self, both: torch.Tensor, b: int, s: int, half: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A memory's projected K and V side by side (B*S, 2D) -> K, V (B, H, S, Dh) each,
+        contiguous; float16 where ``half`` (a float16 KV cache)."""
+        ...
+
 
 @dataclass(frozen=True)
 class _TensorStep:
@@ -108,7 +118,8 @@ class TensorOps:
         self.heads, self.head_dim = heads, head_dim
         # 1/sqrt(Dh) as a 0-d float32 tensor: a Python float in ``torch.mul`` is wrapped and
         # converted on every call; the same float32 value either way.
-        self.scale = torch.tensor(1.0 / head_dim**0.5, dtype=torch.float32)
+        self.scale = torch.tensor(1.0 / math.sqrt(head_dim), dtype=torch.float32)
+        self._memory: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (memory mask, its bias)
 
     def embed(self, tokens: torch.Tensor, table: torch.Tensor, where: torch.Tensor, scale: float) -> torch.Tensor:
         embedded = F.embedding(tokens, table)
@@ -120,7 +131,6 @@ class TensorOps:
         self,
         shape: StepShape,
         memory_mask: torch.Tensor,
-        memory_bias: torch.Tensor | None,
         self_mask: torch.Tensor | None,
         rows: torch.Tensor | None,
         sentences: torch.Tensor | None,
@@ -129,7 +139,11 @@ class TensorOps:
         if rows is not None:
             raise ValueError("computing some of the rows needs the fused kernels")
         self_bias = None if self_mask is None else additive_mask(self_mask, shape.heads, dtype)
-        return _TensorStep(shape, self_bias, memory_bias)
+        cached = self._memory  # (read once: a step shared by two threads' sessions stays consistent)
+        if cached is None or cached[0] is not memory_mask:
+            # made again only when the mask is another tensor (a session replaces it when sentences join or leave)
+            cached = self._memory = (memory_mask, additive_mask(memory_mask, shape.heads, dtype))
+        return _TensorStep(shape, self_bias, cached[1])
 
     def self_attention(self, step: object, qkv: torch.Tensor, cache: SelfAttentionCache) -> torch.Tensor:
         assert isinstance(step, _TensorStep)
@@ -159,6 +173,13 @@ class TensorOps:
     def join(self, x: torch.Tensor, y: torch.Tensor, norm: Norm, post: bool) -> torch.Tensor:
         return norm(x + y) if post else x + y
 
+    projects_tokens_only = False
+
+    def split_kv(self, both: torch.Tensor, b: int, s: int, half: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A float16 cache is the fused kernels' only: ``half`` is False here.)"""
+        kv = both.view(b, s, 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).contiguous()
+        return kv[0], kv[1]  # (B, H, S, Dh) each
+
 
 @dataclass(frozen=True)
 class _FusedStep:
@@ -174,7 +195,7 @@ class FusedOps:
 
     def __init__(self, kernels: ModuleType, heads: int, head_dim: int) -> None:
         self.kernels, self.heads = kernels, heads
-        self.scale = 1.0 / head_dim**0.5  # the float the kernels take
+        self.scale = 1.0 / math.sqrt(head_dim)  # the float the kernels take
         self._memory_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (mask, mask[:, 0, 0])
 
     def embed(self, tokens: torch.Tensor, table: torch.Tensor, where: torch.Tensor, scale: float) -> torch.Tensor:
@@ -184,7 +205,6 @@ class FusedOps:
         self,
         shape: StepShape,
         memory_mask: torch.Tensor,
-        memory_bias: torch.Tensor | None,
         self_mask: torch.Tensor | None,
         rows: torch.Tensor | None,
         sentences: torch.Tensor | None,
@@ -215,6 +235,13 @@ class FusedOps:
     def join(self, x: torch.Tensor, y: torch.Tensor, norm: Norm, post: bool) -> torch.Tensor:
         """post-LN: norm(x + y) in place in x, one call."""
         return self.kernels.add_norm_(x, y, norm.weight, norm.bias, norm.eps) if post else x + y
+
+    projects_tokens_only = True
+
+    def split_kv(self, both: torch.Tensor, b: int, s: int, half: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One call instead of a view, a permute, a copy and two selects."""
+        k, v = self.kernels.split_kv(both, b, self.heads, half)
+        return k, v
 
 
 def layer_ops(kernels: ModuleType | None, heads: int, head_dim: int) -> LayerOps:

@@ -39,7 +39,7 @@ from model.engine.binding import (
 from model.engine.cache import KVCache
 from model.engine.encoder import EncoderPass
 from model.engine.kernels import bind
-from model.engine.layer_ops import StepShape, additive_mask, layer_ops
+from model.engine.layer_ops import StepShape, layer_ops
 from model.engine.shortlist import ShortlistColumns
 from model.network.linear import uses_kernels
 from model.network.transformer import Transformer
@@ -80,18 +80,9 @@ class DecoderStep:
         self.final_norm = None if model.decoder_norm is None else Norm.of(model.decoder_norm)
         self.tokens, self.embed_scale = embed.tokens.weight, embed.scale
         self.max_positions = embed.max_positions
-        self._memory: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (mask, its bias)
         self.scale_value = 1.0 / math.sqrt(self.head_dim)  # (the float the fused kernels take)
         # the K/V cache in float16 (int8 plans: kernels.KernelPlan.kv_dtype), for the fused kernels only
         self.half_cache = self.fused is not None and model.kv_dtype == torch.float16
-
-    def _memory_bias(self, memory_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-        """The cross-attention bias (B*H, 1, S) of a memory mask, made again only when the
-        mask is another tensor (a session replaces it when sentences join or leave)."""
-        cached = self._memory  # (read once: a step shared by two threads' sessions stays consistent)
-        if cached is None or cached[0] is not memory_mask:
-            cached = self._memory = (memory_mask, additive_mask(memory_mask, self.heads, dtype))
-        return cached[1]
 
     def project_memory(
         self, memory: torch.Tensor, mask: torch.Tensor | None = None
@@ -107,21 +98,16 @@ class DecoderStep:
         b, s, d = memory.shape
         flat = memory.reshape(b * s, d)
         tokens = None  # (T,) the tokens' places in (B, S) order, where there is padding
-        if mask is not None and self.fused is not None:
+        if mask is not None and self.ops.projects_tokens_only:
             places = mask.reshape(-1).nonzero()[:, 0]
             if places.numel() < b * s:
                 tokens, flat = places, flat.index_select(0, places)
         projected = []
         for kv in self.cross_kv:
-            if self.fused is not None:  # one call instead of a view, a permute, a copy and two selects
-                both = kv(flat, False)  # (T or B*S, 2 * D)
-                if tokens is not None:
-                    both = both.new_zeros(b * s, both.shape[1]).index_copy_(0, tokens, both)
-                k, v = self.fused.split_kv(both, b, self.heads, self.half_cache)
-                projected.append((k, v))
-                continue
-            both = kv(flat, False).view(b, s, 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).contiguous()
-            projected.append((both[0], both[1]))  # (B, H, S, Dh) each
+            both = kv(flat, False)  # (T or B*S, 2 * D)
+            if tokens is not None:
+                both = both.new_zeros(b * s, both.shape[1]).index_copy_(0, tokens, both)
+            projected.append(self.ops.split_kv(both, b, s, self.half_cache))
         return projected
 
     def __call__(
@@ -189,8 +175,7 @@ class DecoderStep:
         x = self.ops.embed(tokens, self.tokens, where, self.embed_scale)  # (R, D)
         r, b = x.shape[0], cache.sentences
         shape = StepShape(r, b, r // b, self.heads, self.head_dim)
-        memory_bias = None if self.fused is not None else self._memory_bias(memory_mask, x.dtype)
-        step = self.ops.begin(shape, memory_mask, memory_bias, self_mask, rows, sentences, x.dtype)
+        step = self.ops.begin(shape, memory_mask, self_mask, rows, sentences, x.dtype)
         x = self._layers(x, step, cache) if self.stack is None else self._stacked_layers(x, step, cache)
         if self.final_norm is not None:
             x = self.final_norm(x)
