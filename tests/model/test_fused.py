@@ -1,4 +1,4 @@
-"""The fused decoder-step kernels (model/engine/fused.py, model/csrc/step_kernels.cpp): chosen from
+"""The fused decoder-step kernels (model/engine/fused.py, model/engine/csrc): chosen from
 the CPU's features, built here for real, and giving the tensor operations' results."""
 
 from __future__ import annotations
@@ -1141,7 +1141,7 @@ def test_an_install_without_the_source_leaves_the_tensor_operations(
 ) -> None:
     """A package installed without model/csrc (say, by a packager that drops data files): a
     warning, no kernels, no crash."""
-    monkeypatch.setattr(fused, "SOURCE", tmp_path / "missing.cpp")
+    monkeypatch.setattr(fused, "CSRC", tmp_path / "missing")
     monkeypatch.setitem(fused.FLAGS, "sourceless", [])
     with caplog.at_level(logging.WARNING, logger="model.engine.fused"):
         assert fused.load("sourceless") is None
