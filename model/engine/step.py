@@ -257,28 +257,31 @@ class _Layer:
 
 
 def _panel_stack(
-    kernels: ModuleType | None, layers: list[tuple[list[Linear], list[nn.LayerNorm]]]
-) -> tuple[list[torch.Tensor], float] | None:
-    """The parameters of the fused kernels' ``decoder_layers`` or ``encoder_layers`` (every layer
-    of a pass in one call: at one row the Python between the kernels was a sixth of a decoder
-    step) and the norms' epsilon, where they can run: post-LN layers (each given as its linear
-    layers and norms, in the kernels' order) whose products all run on these kernels' packed
-    panels (``PackedPanels``: float32 weights released on a plan on ``panels``, ``loading.load``) and
-    whose norms share one epsilon; else None."""
+    kernels: ModuleType | None, weights: str, layers: list[tuple[dict[str, Linear], dict[str, nn.LayerNorm]]]
+) -> tuple[list[object], float] | None:
+    """The layers of the fused kernels' ``decoder_layers`` or ``encoder_layers`` (every layer of a
+    pass in one call: at one row the Python between the kernels was a sixth of a decoder step),
+    each the kernels' class ``weights`` (``DecoderLayerWeights``, ``EncoderLayerWeights``) made
+    from its linear layers and norms by the kernels' names, and the norms' epsilon, where they can
+    run: post-LN layers whose products all run on these kernels' packed panels (``PackedPanels``:
+    float32 weights released on a plan on ``panels``, ``loading.load``) and whose norms share one
+    epsilon; else None."""
     if kernels is None:
         return None
-    params: list[torch.Tensor] = []
+    stack: list[object] = []
     eps = set()
     for linears, norms in layers:
-        for module in linears:
+        named: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, module in linears.items():
             kernel = module.kernel
             if not isinstance(kernel, PackedPanels) or kernel.product != kernels.panel_linear:
                 return None
-            params += [kernel.panels, kernel.bias]
-        for norm in norms:
-            params += [norm.weight, norm.bias]
+            named[name] = (kernel.panels, kernel.bias)
+        for name, norm in norms.items():
+            named[name] = (norm.weight, norm.bias)
             eps.add(norm.eps)
-    return (params, eps.pop()) if len(eps) == 1 else None
+        stack.append(getattr(kernels, weights)(**named))
+    return (stack, eps.pop()) if len(eps) == 1 else None
 
 
 def _residual(x: torch.Tensor, y: torch.Tensor, norm: _Norm, norm_first: bool) -> torch.Tensor:
@@ -328,9 +331,10 @@ class DecoderStep:
         self.few_rows = _few_rows(model, self.fused)
         self.layers = [_Layer.of(layer, fast, self.few_rows) for layer in model.decoder_layers]
         # where every product runs on packed panels, all layers of a step in one call
-        self.stack = None if self.norm_first else _panel_stack(self.fused, [
-            ([layer.self_attn.qkv, layer.self_attn.out, layer.cross_attn.q, layer.cross_attn.out, layer.ff.fc1,
-              layer.ff.fc2], [layer.self_block.norm, layer.cross_block.norm, layer.ff_block.norm])
+        self.stack = None if self.norm_first else _panel_stack(self.fused, "DecoderLayerWeights", [
+            (dict(self_qkv=layer.self_attn.qkv, self_out=layer.self_attn.out, cross_q=layer.cross_attn.q,
+                  cross_out=layer.cross_attn.out, fc1=layer.ff.fc1, fc2=layer.ff.fc2),
+             dict(self_norm=layer.self_block.norm, cross_norm=layer.cross_block.norm, ff_norm=layer.ff_block.norm))
             for layer in model.decoder_layers
         ])  # fmt: skip
         # each layer's cross-attention K/V projection, for the memory of sentences that join
@@ -602,9 +606,9 @@ class EncoderPass:
         self.final_norm = None if model.encoder_norm is None else _Norm.of(model.encoder_norm)
         self.scale = 1.0 / math.sqrt(cfg.d_model // cfg.n_heads)
         # where every product runs on packed panels, all layers in one call
-        self.stack = None if self.norm_first else _panel_stack(self.fused, [
-            ([layer.self_attn.qkv, layer.self_attn.out, layer.ff.fc1, layer.ff.fc2],
-             [layer.attn_block.norm, layer.ff_block.norm])
+        self.stack = None if self.norm_first else _panel_stack(self.fused, "EncoderLayerWeights", [
+            (dict(qkv=layer.self_attn.qkv, out=layer.self_attn.out, fc1=layer.ff.fc1, fc2=layer.ff.fc2),
+             dict(attn_norm=layer.attn_block.norm, ff_norm=layer.ff_block.norm))
             for layer in model.encoder_layers
         ])  # fmt: skip
 

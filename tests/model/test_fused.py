@@ -937,10 +937,12 @@ def test_passes_on_panels_alone_run_every_layer_in_one_call(variant: str) -> Non
                 for tag, (ids, score) in decode(kept, options, True)[0].items():
                     assert ids == stacked[0][tag][0] and score == pytest.approx(stacked[0][tag][1], abs=1e-4)
     x, mask = torch.zeros(1, 32), torch.empty(0, dtype=torch.bool)
-    with pytest.raises(RuntimeError, match="parameters per layer"):
-        kernels_module.encoder_layers(x, [x] * 5, mask, 4, 1.0, 1e-5)
+    with pytest.raises(TypeError):  # a layer's weights are named, every one of them
+        kernels_module.EncoderLayerWeights(qkv=(x, x), out=(x, x), fc1=(x, x), fc2=(x, x), attn_norm=(x, x))
+    names = ("self_qkv", "self_out", "cross_q", "cross_out", "fc1", "fc2", "self_norm", "cross_norm", "ff_norm")
+    layer = kernels_module.DecoderLayerWeights(**{name: (x, x) for name in names})
     with pytest.raises(RuntimeError, match="one cache of each kind per layer"):
-        kernels_module.decoder_layers(x, [x] * 17, [x], [x], [0], mask, [x], [x], x, 1.0, 1e-5, EVERY, EVERY, [])
+        kernels_module.decoder_layers(x, [layer], [x], [x], [0], mask, [], [x], x, 1.0, 1e-5, EVERY, EVERY, [])
 
 
 @pytest.mark.parametrize("variant", [v for v in RUNNABLE if fused.panel_rows_limit(v) > 0])

@@ -3,12 +3,44 @@
 
 #include "kernels.h"
 
+namespace {
+
+// A layer's weights are given from Python by name, each a (tensor, tensor) pair: a product's
+// (panels, bias), a norm's (weight, bias).
+using Pair = std::pair<torch::Tensor, torch::Tensor>;
+
+PanelLinear panels(const Pair& p) { return {p.first, p.second}; }
+LayerNormWeights norm(const Pair& p) { return {p.first, p.second}; }
+
+}  // namespace
+
 // The longest calls (a whole pass, or a product of many rows: milliseconds in a batch) let go of
 // Python's lock while they run, so the server's event loop goes on reading and answering requests
-// meanwhile: at 64 clients +1.5-16% requests/s (4 alternated pairs), one client level
-// (docs/benchmarks.md "One call per pass"). They touch only the tensors they are given.
+// meanwhile (docs/benchmarks.md "One call per pass"). They touch only the tensors they are given.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto unlocked = py::call_guard<py::gil_scoped_release>();
+  // module_local: each variant's build registers its own classes, so that several variants load
+  // into one process (the tests load every variant this CPU runs)
+  py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", py::module_local(),
+                                  "a post-LN decoder layer's weights for decoder_layers, by name")
+      .def(py::init([](const Pair& self_qkv, const Pair& self_out, const Pair& cross_q, const Pair& cross_out,
+                       const Pair& fc1, const Pair& fc2, const Pair& self_norm, const Pair& cross_norm,
+                       const Pair& ff_norm) {
+             return DecoderLayerWeights{panels(self_qkv), panels(self_out), panels(cross_q), panels(cross_out),
+                                        panels(fc1),      panels(fc2),      norm(self_norm),   norm(cross_norm),
+                                        norm(ff_norm)};
+           }),
+           py::kw_only(), py::arg("self_qkv"), py::arg("self_out"), py::arg("cross_q"), py::arg("cross_out"),
+           py::arg("fc1"), py::arg("fc2"), py::arg("self_norm"), py::arg("cross_norm"), py::arg("ff_norm"));
+  py::class_<EncoderLayerWeights>(m, "EncoderLayerWeights", py::module_local(),
+                                  "a post-LN encoder layer's weights for encoder_layers, by name")
+      .def(py::init([](const Pair& qkv, const Pair& out, const Pair& fc1, const Pair& fc2, const Pair& attn_norm,
+                       const Pair& ff_norm) {
+             return EncoderLayerWeights{panels(qkv), panels(out), panels(fc1), panels(fc2), norm(attn_norm),
+                                        norm(ff_norm)};
+           }),
+           py::kw_only(), py::arg("qkv"), py::arg("out"), py::arg("fc1"), py::arg("fc2"), py::arg("attn_norm"),
+           py::arg("ff_norm"));
   m.def("self_attend", &self_attend, "self-attention of one decoder step (writes the cache; reorders it first with reorder)",
         py::arg("qkv"), py::arg("k"), py::arg("v"), py::arg("pos"), py::arg("visible"), py::arg("scale"), py::arg("rows"),
         py::arg("reorder") = std::vector<torch::Tensor>());

@@ -55,13 +55,35 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& panels, c
 // layer_stack.cpp
 torch::Tensor add_norm_(torch::Tensor x, const torch::Tensor& y, const torch::Tensor& weight,
                         const torch::Tensor& bias, double eps);
-torch::Tensor decoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& params,
+// A linear layer whose weight is packed into panels (pack_panels; bias: (N) or an empty tensor).
+struct PanelLinear {
+  torch::Tensor panels, bias;
+};
+
+// A LayerNorm's weight and bias (D).
+struct LayerNormWeights {
+  torch::Tensor weight, bias;
+};
+
+// One post-LN decoder layer's weights, by name (model.network.transformer.DecoderLayer's).
+struct DecoderLayerWeights {
+  PanelLinear self_qkv, self_out, cross_q, cross_out, fc1, fc2;
+  LayerNormWeights self_norm, cross_norm, ff_norm;
+};
+
+// One post-LN encoder layer's weights, by name (model.network.transformer.EncoderLayer's).
+struct EncoderLayerWeights {
+  PanelLinear qkv, out, fc1, fc2;
+  LayerNormWeights attn_norm, ff_norm;
+};
+
+torch::Tensor decoder_layers(torch::Tensor x, const std::vector<DecoderLayerWeights>& layers,
                              const std::vector<torch::Tensor>& self_k, const std::vector<torch::Tensor>& self_v,
                              const std::vector<int64_t>& positions, const torch::Tensor& visible,
                              const std::vector<torch::Tensor>& cross_k, const std::vector<torch::Tensor>& cross_v,
                              const torch::Tensor& source, double scale, double eps, const torch::Tensor& rows,
                              const torch::Tensor& sentences, const std::vector<std::vector<torch::Tensor>>& reorders);
-torch::Tensor encoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& params, const torch::Tensor& mask,
-                             int64_t heads, double scale, double eps);
-torch::Tensor encoder_layers_ragged(torch::Tensor x, const std::vector<torch::Tensor>& params,
+torch::Tensor encoder_layers(torch::Tensor x, const std::vector<EncoderLayerWeights>& layers,
+                             const torch::Tensor& mask, int64_t heads, double scale, double eps);
+torch::Tensor encoder_layers_ragged(torch::Tensor x, const std::vector<EncoderLayerWeights>& layers,
                                     const torch::Tensor& offsets, int64_t heads, double scale, double eps);

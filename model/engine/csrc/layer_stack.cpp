@@ -30,69 +30,78 @@ torch::Tensor add_norm_(torch::Tensor x, const torch::Tensor& y, const torch::Te
   return x;
 }
 
+namespace {
+
+// A product on packed panels, ReLU'd or not.
+torch::Tensor apply(const PanelLinear& layer, const torch::Tensor& x, bool relu = false) {
+  return panel_linear(x, layer.panels, layer.bias, relu);
+}
+
+// The post-LN join: LayerNorm(x + y), in place in x.
+torch::Tensor join(torch::Tensor x, const torch::Tensor& y, const LayerNormWeights& norm, double eps) {
+  return add_norm_(x, y, norm.weight, norm.bias, eps);
+}
+
+}  // namespace
+
 // One decoder step through every layer of a post-LN decoder whose products all run on packed
-// panels: the same calls model/step.py's _fused_layers makes, in one call from Python (at one
-// row the Python around them was a sixth of a step). x (R, D); params: per layer 18 tensors in
-// the order of kLayerParams; self_k, self_v, positions: each layer's cache buffers and the
-// position its new key and value go to (SelfAttentionCache.next_slot); visible as self_attend's;
-// cross_k, cross_v (B, H, S, Dh) each layer's projected memory; source (B, S) bool as
-// cross_attend's mask; rows as self_attend's and sentences as cross_attend's (each of x's rows'
-// cache row and sentence, or empty tensors: every row, in order); reorders: empty, or each layer's
-// self_attend reorder (an empty one: none). -> x, written in place (the joins' add_norm_), (R, D)
-constexpr int64_t kLayerParams = 18;  // qkv, self out, cross q, cross out, fc1, fc2 (panels, bias); 3 norms (weight, bias)
-torch::Tensor decoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& params,
+// panels: the same calls model/engine/step.py's _fused_layers makes, in one call from Python (at
+// one row the Python around them was a sixth of a step). x (R, D); layers: each layer's weights;
+// self_k, self_v, positions: each layer's cache buffers and the position its new key and value go
+// to (SelfAttentionCache.next_slot); visible as self_attend's; cross_k, cross_v (B, H, S, Dh) each
+// layer's projected memory; source (B, S) bool as cross_attend's mask; rows as self_attend's and
+// sentences as cross_attend's (each of x's rows' cache row and sentence, or empty tensors: every
+// row, in order); reorders: empty, or each layer's self_attend reorder (an empty one: none).
+// -> x, written in place (the joins' add_norm_), (R, D)
+torch::Tensor decoder_layers(torch::Tensor x, const std::vector<DecoderLayerWeights>& layers,
                              const std::vector<torch::Tensor>& self_k, const std::vector<torch::Tensor>& self_v,
                              const std::vector<int64_t>& positions, const torch::Tensor& visible,
                              const std::vector<torch::Tensor>& cross_k, const std::vector<torch::Tensor>& cross_v,
                              const torch::Tensor& source, double scale, double eps, const torch::Tensor& rows,
                              const torch::Tensor& sentences, const std::vector<std::vector<torch::Tensor>>& reorders) {
-  const size_t layers = self_k.size();
-  TORCH_CHECK(params.size() == layers * kLayerParams && self_v.size() == layers && positions.size() == layers &&
-                  cross_k.size() == layers && cross_v.size() == layers,
-              "decoder_layers: ", kLayerParams, " parameters and one cache of each kind per layer");
-  TORCH_CHECK(reorders.empty() || reorders.size() == layers, "decoder_layers: one reorder (or none) per layer");
+  const size_t count = layers.size();
+  TORCH_CHECK(self_k.size() == count && self_v.size() == count && positions.size() == count &&
+                  cross_k.size() == count && cross_v.size() == count,
+              "decoder_layers: one cache of each kind per layer");
+  TORCH_CHECK(reorders.empty() || reorders.size() == count, "decoder_layers: one reorder (or none) per layer");
   const std::vector<torch::Tensor> none;
-  for (size_t i = 0; i < layers; i++) {
-    const torch::Tensor* p = params.data() + i * kLayerParams;
-    const auto qkv = panel_linear(x, p[0], p[1], false);
+  for (size_t i = 0; i < count; i++) {
+    const DecoderLayerWeights& layer = layers[i];
     const auto& reorder = reorders.empty() ? none : reorders[i];
-    const auto attended = self_attend(qkv, self_k[i], self_v[i], positions[i], visible, scale, rows, reorder);
-    x = add_norm_(x, panel_linear(attended, p[2], p[3], false), p[12], p[13], eps);
-    const auto q = panel_linear(x, p[4], p[5], false);
-    x = add_norm_(x, panel_linear(cross_attend(q, cross_k[i], cross_v[i], source, scale, sentences), p[6], p[7], false),
-                  p[14], p[15], eps);
-    x = add_norm_(x, panel_linear(panel_linear(x, p[8], p[9], true), p[10], p[11], false), p[16], p[17], eps);
+    const auto attended =
+        self_attend(apply(layer.self_qkv, x), self_k[i], self_v[i], positions[i], visible, scale, rows, reorder);
+    x = join(x, apply(layer.self_out, attended), layer.self_norm, eps);
+    const auto cross = cross_attend(apply(layer.cross_q, x), cross_k[i], cross_v[i], source, scale, sentences);
+    x = join(x, apply(layer.cross_out, cross), layer.cross_norm, eps);
+    x = join(x, apply(layer.fc2, apply(layer.fc1, x, true)), layer.ff_norm, eps);
   }
   return x;
 }
 
 // The encoder's layers, post-LN, every product on packed panels: _fused_layers of EncoderPass in
-// one call. x (B*S, D); params: per layer 12 tensors in the order of kEncoderLayerParams; mask
-// (B, S) bool as encoder_attend's. -> x, written in place (the joins' add_norm_), (B*S, D)
-constexpr int64_t kEncoderLayerParams = 12;  // qkv, out, fc1, fc2 (panels, bias); 2 norms (weight, bias)
+// one call. x (B*S, D); layers: each layer's weights; attend: the self-attention of a layer's qkv.
+// -> x, written in place (the joins' add_norm_), (B*S, D)
 template <typename Attend>
-torch::Tensor encoder_stack(torch::Tensor x, const std::vector<torch::Tensor>& params, double eps, Attend attend) {
-  TORCH_CHECK(params.size() % kEncoderLayerParams == 0, "encoder_layers: ", kEncoderLayerParams,
-              " parameters per layer");
-  for (size_t i = 0; i < params.size(); i += kEncoderLayerParams) {
-    const torch::Tensor* p = params.data() + i;
-    const auto qkv = panel_linear(x, p[0], p[1], false);
-    x = add_norm_(x, panel_linear(attend(qkv), p[2], p[3], false), p[8], p[9], eps);
-    x = add_norm_(x, panel_linear(panel_linear(x, p[4], p[5], true), p[6], p[7], false), p[10], p[11], eps);
+torch::Tensor encoder_stack(torch::Tensor x, const std::vector<EncoderLayerWeights>& layers, double eps,
+                            Attend attend) {
+  for (const EncoderLayerWeights& layer : layers) {
+    x = join(x, apply(layer.out, attend(apply(layer.qkv, x))), layer.attn_norm, eps);
+    x = join(x, apply(layer.fc2, apply(layer.fc1, x, true)), layer.ff_norm, eps);
   }
   return x;
 }
 
-torch::Tensor encoder_layers(torch::Tensor x, const std::vector<torch::Tensor>& params, const torch::Tensor& mask,
-                             int64_t heads, double scale, double eps) {
-  return encoder_stack(x, params, eps, [&](const torch::Tensor& qkv) { return encoder_attend(qkv, mask, heads, scale); });
+// mask (B, S) bool as encoder_attend's
+torch::Tensor encoder_layers(torch::Tensor x, const std::vector<EncoderLayerWeights>& layers,
+                             const torch::Tensor& mask, int64_t heads, double scale, double eps) {
+  return encoder_stack(x, layers, eps, [&](const torch::Tensor& qkv) { return encoder_attend(qkv, mask, heads, scale); });
 }
 
 // The same over sentences laid end to end without padding (x (T, D); offsets as
 // encoder_attend_ragged's): the layers' products and joins are per row, so only the attention
 // needs to know where a sentence ends. -> x, written in place, (T, D)
-torch::Tensor encoder_layers_ragged(torch::Tensor x, const std::vector<torch::Tensor>& params,
+torch::Tensor encoder_layers_ragged(torch::Tensor x, const std::vector<EncoderLayerWeights>& layers,
                                     const torch::Tensor& offsets, int64_t heads, double scale, double eps) {
-  return encoder_stack(x, params, eps,
+  return encoder_stack(x, layers, eps,
                        [&](const torch::Tensor& qkv) { return encoder_attend_ragged(qkv, offsets, heads, scale); });
 }
