@@ -19,9 +19,10 @@ tests/model/test_decoding.py on both paths).
 The variant is part of the kernel plan (``kernels.choose`` -> ``KernelPlan.fused``): compiled
 for AVX-512 with VNNI, AVX-512, AVX2 + FMA or the compiler's default instructions, from the CPU's
 reported features and the ISA caps, like every other kernel choice; cached under a name that
-carries a hash of the sources (every ``.cpp`` and ``.h`` in ``csrc``). Building needs a C++ compiler (torch's ``cpp_extension``: g++, and ninja, a dependency):
-~20-60 s once per variant and source version (55 s for AVX2 on a 2-core AMD EPYC Zen 3). A build
-already in the cache is imported as it is, without the compiler: ``python -m model.engine.fused --build``
+carries a hash of the sources (every ``.cpp`` and ``.h`` in ``csrc``). Building needs a C++
+compiler (torch's ``cpp_extension``: g++, and ninja, a dependency, which compiles the files side
+by side): a few minutes of CPU time once per variant and source version. A build already in the
+cache is imported as it is, without the compiler: ``python -m model.engine.fused --build``
 compiles every variant ahead of time (the Docker image does, into ``TORCH_EXTENSIONS_DIR``, so its
 runtime needs no compiler). Where the kernels can neither be found nor built, ``load`` logs why
 once and returns None, and decoding runs on the tensor operations (``loading.load`` then plans

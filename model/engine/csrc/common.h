@@ -6,16 +6,16 @@
 // (scaling, cache writes, batched matmuls, softmax, head reshapes, residual adds, layer norms)
 // cost more than the arithmetic. Here each attention sub-layer is one call and each residual +
 // layer norm another (docs/benchmarks.md "The fused step"). Matrix products of a few rows have
-// their own kernel here (see "Matrix products of a few rows"); larger ones stay in torch (MKL).
+// their own kernels here (tiles.h, gemm_*.cpp); larger ones stay in torch (MKL).
 //
 // This header holds what every file of the kernels shares: the thread split, the fixed-order
 // vector sums, the float16 cache rows and the argument checks; kernels.h declares the entry
 // points, one file a concern (attention, KV cache, beam search, shortlist, embedding, the three
 // matrix-product families, the layer stacks), and bindings.cpp binds them to Python.
 //
-// Float32, CPU, contiguous rows (the KV cache float32 or float16); model/fused.py checks what it
-// passes. Work is split over torch's own thread pool (``parallel_chunks``, on at::parallel_for) only
-// when it is large enough to pay for the split.
+// Float32, CPU, contiguous rows (the KV cache float32 or float16); model/engine/fused.py's callers
+// check what they pass. Work is split over torch's own thread pool (``parallel_chunks``, on
+// at::parallel_for) only when it is large enough to pay for the split.
 #pragma once
 
 // (torch/types.h, not torch/extension.h: only bindings.cpp needs pybind11, and the lighter

@@ -8,8 +8,9 @@
 // AVX2's vpmaddubsw, which adds two u8 x s8 products in 16 bits, cannot saturate: 2 * 127 * 127 <
 // 32767). fbgemm takes one (s, z) for the whole input; here each row has its own, so a row's result
 // depends on nothing but the row (at one row the two are the same quantization). torch's
-// quantized.linear_dynamic at one row costs ~40 us for a 1024 x 256 weight on a Zen 3, most of it
-// around the arithmetic (quantizing, packing the input, dispatch); this does the product in a few.
+// quantized.linear_dynamic spends most of a few-row call around the arithmetic (quantizing,
+// packing the input, dispatch); this does little but the product (docs/benchmarks.md "An int8
+// product of our own").
 //
 // Layout: the weight in panels of kInt8Panel outputs, each in groups of 4 k: (N / 16, K / 4, 16, 4),
 // so one 32-byte load holds 8 outputs' 4 weights of a group, a row's 4 activations of the group are
@@ -120,7 +121,7 @@ inline void int8_block(const uint8_t* u, int64_t k, const int8_t* panel, int32_t
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kInt8Panel), sum[r][0]);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kInt8Panel + 8), sum[r][1]);
   }
-#else  // the same sums, one by one (model/fused.py never picks this build for int8: INT8_ROWS)
+#else  // the same sums, one by one (model/engine/fused.py never picks this build for int8: INT8_ROWS)
   for (int r = 0; r < Rows; r++) {
     for (int64_t o = 0; o < kInt8Panel; o++) {
       int32_t total = 0;

@@ -2,8 +2,8 @@
 #include "tiles.h"
 
 // ---- Matrix products of a few dozen rows, on weights packed into panels ------------------------
-// From ~8 rows the dot-product form of ``linear`` runs below MKL, and MKL itself is far from the
-// FMA peak below ~64 rows (its per-call packing and blocking): the encoder of a few sentences
+// Past a few rows the dot-product form of ``linear`` falls behind MKL, and MKL itself runs far
+// below the FMA peak on a few dozen rows (its per-call packing and blocking): the encoder of a few sentences
 // (10-100 rows) and a decoder step of 2-16 sentences at beam 4 run there. This product is the
 // broadcast form on a copy of the weight packed once: panels of kPanel weight rows, each stored
 // transposed (K, kPanel), so a block of up to kPanelRows rows by one panel keeps its outputs in
@@ -13,7 +13,7 @@
 // row's result does not depend on the values of the other rows.
 constexpr int64_t kPanel = 2 * kVec;
 // how many k ahead a block prefetches its panel: with a few rows the panels stream from L3, and
-// without it one to four rows ran ~10% behind ``linear`` (with it, level)
+// the prefetch hides their latency behind the block's arithmetic
 constexpr int64_t kPanelAhead = 8;
 // rows of a block: 2 accumulators a row, two weight vectors and the broadcast fit the registers
 // (32 zmm with AVX-512; 16 ymm with AVX2)
@@ -135,7 +135,7 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
 }
 
 // x (R, K) times the first `columns` rows of a weight packed by pack_panels (the rest of its last
-// panel padding): a shortlist's logits over its columns (model/shortlist.py Vocabulary.panels).
+// panel padding): a shortlist's logits over its columns (model/engine/shortlist.py Vocabulary.panels).
 torch::Tensor panel_product(const torch::Tensor& x, const torch::Tensor& panels, int64_t columns) {
   return panel_columns(x, panels, torch::empty({0}, x.options()), false, columns);
 }

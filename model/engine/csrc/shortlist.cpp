@@ -2,7 +2,7 @@
 #include "kernels.h"
 #include "tiles.h"
 
-// Each sentence's own shortlist candidates (model.shortlist.Shortlist.candidates_of): its
+// Each sentence's own shortlist candidates (model.engine.shortlist.Shortlist.candidates_of): its
 // pieces and the targets associated with them, sorted and unique. sources (B, S) int64 piece ids,
 // real (B, S) bool (false: padding), offsets (V + 1,) int64 and targets (N,) integer: piece p's
 // targets are targets[offsets[p] : offsets[p + 1]]. -> B int64 tensors.
@@ -66,14 +66,14 @@ void span_rows(const Product& p, int64_t r, int64_t count) {
 }
 
 // Each row's logits over its own sentence's shortlist columns, those beyond the ones every sentence
-// shares (model.shortlist.Vocabulary). x (R, D) the rows' last hidden states, D a multiple of 16;
+// shares (model.engine.shortlist.Vocabulary). x (R, D) the rows' last hidden states, D a multiple of 16;
 // sentences (R,) int64 each row's sentence, never decreasing (an empty tensor: row r's is r / W,
 // W = R / A); rows (T, D) float32, or float16 (an output matrix shipped in float16, exact: widened
 // here a sentence at a time, half the bytes read), the output matrix's rows of every sentence's own
 // columns laid end to end, spans (A, 2) int64 (first, count): sentence i's are rows [first, first +
 // count); width E at least every count. -> (R, E): row r's column j is x[r] . rows[first + j] for
 // j < its sentence's count, -inf after (no candidate). The rows stream from L3 (every sentence's
-// own, ~130 KB of float32 each): this is bound by the bytes it reads.
+// own, read once a step): this is bound by the bytes it reads.
 torch::Tensor span_logits(const torch::Tensor& x, const torch::Tensor& sentences, const torch::Tensor& rows,
                           const torch::Tensor& spans, int64_t width) {
   check_rows(x, "x");

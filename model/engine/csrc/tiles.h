@@ -6,12 +6,12 @@
 
 // ---- Matrix products of a few rows ------------------------------------------------------------
 // At one sentence a decoder step multiplies 1 (greedy) or 4 (beam 4) rows by every layer's
-// weights: ~13 MB of float32 a step, streamed from L3 (the weights of all layers do not fit in
-// L2), a few multiply-adds per weight loaded. MKL's sgemm reads them at ~20 GB/s there; this
-// kernel keeps a tile of weight rows (the whole reduction of each in registers) per rows group
-// and prefetches the next tile's rows while it computes, ~30% faster at 4 rows, ~10% at one
-// (docs/benchmarks.md "Small-row matrix products"). Above a few rows MKL's blocking wins, and
-// model/step.py hands those calls back to torch.
+// weights, streamed from L3 (the weights of all layers do not fit in L2) with a few multiply-adds
+// per weight loaded, so the product is bound by how fast the weights are read. This kernel keeps a
+// tile of weight rows (the whole reduction of each in registers) per rows group and prefetches the
+// next tile's rows while it computes, so the reads overlap the arithmetic (docs/benchmarks.md
+// "Small-row matrix products"). Above a few rows MKL's blocking wins, and model/engine/step.py
+// hands those calls back to torch.
 //
 // Each output is the sum over k of x[r][k] * w[n][k] in kVec running lanes (lane l takes
 // k = l, l + kVec, ...), the lanes added by one fixed tree: within this kernel a row's result
