@@ -1004,13 +1004,15 @@ def test_the_long_kernels_let_other_python_threads_run() -> None:
         return [module.pack_panels(torch.randn(n, k) / k**0.5), torch.zeros(n)]
 
     layer = [*packed(3 * d, d), *packed(d, d), *packed(f, d), *packed(d, f)]
-    layer += [torch.ones(d), torch.zeros(d), torch.ones(d), torch.zeros(d)]
+    norm = (torch.ones(d), torch.zeros(d))
+    weights = module.EncoderLayerWeights(qkv=tuple(layer[0:2]), out=tuple(layer[2:4]), fc1=tuple(layer[4:6]),
+                                         fc2=tuple(layer[6:8]), attn_norm=norm, ff_norm=norm)  # fmt: skip
     x, mask = torch.randn(rows, d), torch.ones(rows // 32, 32, dtype=torch.bool)
     int8_panels, colsums = module.pack_int8(torch.randint(-127, 128, (f, d), dtype=torch.int8))
     calls = {
         "panel_linear": lambda: module.panel_linear(x, layer[4], layer[5], True),
         "int8_linear": lambda: module.int8_linear(x, int8_panels, colsums, torch.ones(f), torch.empty(0), True),
-        "encoder_layers": lambda: module.encoder_layers(x.clone(), layer * 2, mask, 4, 0.125, 1e-5),
+        "encoder_layers": lambda: module.encoder_layers(x.clone(), [weights] * 2, mask, 4, 0.125, 1e-5),
     }
     ticks, stop = [0], threading.Event()
 
