@@ -224,28 +224,31 @@ class BoundDecoderLayer:
 
 
 def panel_stack(
-    kernels: ModuleType | None, layers: list[tuple[list[Linear], list[nn.LayerNorm]]]
-) -> tuple[list[torch.Tensor], float] | None:
-    """The parameters of the fused kernels' ``decoder_layers`` or ``encoder_layers`` (every layer
-    of a pass in one call: at one row the Python between the kernels was a sixth of a decoder
-    step) and the norms' epsilon, where they can run: post-LN layers (each given as its linear
-    layers and norms, in the kernels' order) whose products all run on these kernels' packed
-    panels (``PackedPanels``: float32 weights released on a plan on ``panels``, ``loading.load``) and
-    whose norms share one epsilon; else None."""
+    kernels: ModuleType | None, weights: str, layers: list[tuple[dict[str, Linear], dict[str, nn.LayerNorm]]]
+) -> tuple[list[object], float] | None:
+    """The layers of the fused kernels' ``decoder_layers`` or ``encoder_layers`` (every layer of a
+    pass in one call: at one row the Python between the kernels is a large share of a decoder
+    step), each the kernels' class ``weights`` (``DecoderLayerWeights``, ``EncoderLayerWeights``)
+    made from its linear layers and norms by the kernels' names, and the norms' epsilon, where they
+    can run: post-LN layers whose products all run on these kernels' packed panels
+    (``PackedPanels``: float32 weights released on a plan on ``panels``, ``loading.load``) and whose
+    norms share one epsilon; else None."""
     if kernels is None:
         return None
-    params: list[torch.Tensor] = []
+    stack: list[object] = []
     eps = set()
     for linears, norms in layers:
-        for module in linears:
+        named: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, module in linears.items():
             kernel = module.kernel
             if not isinstance(kernel, PackedPanels) or kernel.product != kernels.panel_linear:
                 return None
-            params += [kernel.panels, kernel.bias]
-        for norm in norms:
-            params += [norm.weight, norm.bias]
+            named[name] = (kernel.panels, kernel.bias)
+        for name, norm in norms.items():
+            named[name] = (norm.weight, norm.bias)
             eps.add(norm.eps)
-    return (params, eps.pop()) if len(eps) == 1 else None
+        stack.append(getattr(kernels, weights)(**named))
+    return (stack, eps.pop()) if len(eps) == 1 else None
 
 
 @dataclass(frozen=True)

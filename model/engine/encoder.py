@@ -51,9 +51,9 @@ class EncoderPass:
         self.scale = 1.0 / math.sqrt(cfg.d_model // cfg.n_heads)
         self.ops = layer_ops(self.fused, cfg.n_heads, cfg.d_model // cfg.n_heads)
         # where every product runs on packed panels, all layers in one call
-        self.stack = None if self.norm_first else panel_stack(self.fused, [
-            ([layer.self_attn.qkv, layer.self_attn.out, layer.ff.fc1, layer.ff.fc2],
-             [layer.attn_block.norm, layer.ff_block.norm])
+        self.stack = None if self.norm_first else panel_stack(self.fused, "EncoderLayerWeights", [
+            (dict(qkv=layer.self_attn.qkv, out=layer.self_attn.out, fc1=layer.ff.fc1, fc2=layer.ff.fc2),
+             dict(attn_norm=layer.attn_block.norm, ff_norm=layer.ff_block.norm))
             for layer in model.encoder_layers
         ])  # fmt: skip
 

@@ -1,5 +1,5 @@
-"""The fused decoder-step kernels (``model/csrc/step_kernels.cpp``): built for this CPU on first
-use, loaded from torch's extension cache afterwards, and optional.
+"""The fused decoder-step kernels (``model/engine/csrc``: one C++ file a concern, a shared header):
+built for this CPU on first use, loaded from torch's extension cache afterwards, and optional.
 
 A decoder step at one sentence spends more time dispatching the small operations between its
 matrix products than computing them (docs/benchmarks.md "The fused step"). The C++ file does
@@ -19,9 +19,10 @@ tests/model/test_decoding.py on both paths).
 The variant is part of the kernel plan (``kernels.choose`` -> ``KernelPlan.fused``): compiled
 for AVX-512 with VNNI, AVX-512, AVX2 + FMA or the compiler's default instructions, from the CPU's
 reported features and the ISA caps, like every other kernel choice; cached under a name that
-carries a hash of the source. Building needs a C++ compiler (torch's ``cpp_extension``: g++, and ninja, a dependency):
-~20-60 s once per variant and source version (55 s for AVX2 on a 2-core AMD EPYC Zen 3). A build
-already in the cache is imported as it is, without the compiler: ``python -m model.engine.fused --build``
+carries a hash of the sources (every ``.cpp`` and ``.h`` in ``csrc``). Building needs a C++
+compiler (torch's ``cpp_extension``: g++, and ninja, a dependency, which compiles the files side
+by side): a few minutes of CPU time once per variant and source version. A build already in the
+cache is imported as it is, without the compiler: ``python -m model.engine.fused --build``
 compiles every variant ahead of time (the Docker image does, into ``TORCH_EXTENSIONS_DIR``, so its
 runtime needs no compiler). Where the kernels can neither be found nor built, ``load`` logs why
 once and returns None, and decoding runs on the tensor operations (``loading.load`` then plans
@@ -50,7 +51,7 @@ from model.engine.features import CpuFeatures, runnable_variants
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "step_kernels.cpp"
+CSRC = Path(__file__).parent / "csrc"
 ENV = "TRANSLATOR_FUSED_STEP"
 
 Variant = Literal["avx512vnni", "avx512", "avx2", "baseline"]
@@ -215,12 +216,25 @@ def _cflags(variant: str) -> list[str]:
     return [*COMMON_FLAGS, *FLAGS[variant]]
 
 
+def _sources() -> list[Path]:
+    """The C++ files compiled into the extension (every ``.cpp`` in ``CSRC``); FileNotFoundError
+    where there are none (an install without them)."""
+    sources = sorted(CSRC.glob("*.cpp"))
+    if not sources:
+        raise FileNotFoundError(f"no C++ sources in {CSRC}")
+    return sources
+
+
 def _name(variant: str) -> str:
-    """The extension's name: the variant and a short hash of what its build depends on (the C++
-    source, the flags, torch's version), so two checkouts, an upgrade or another torch on one
-    machine never load each other's build, and a build found under it is the right one."""
-    flags = " ".join([*_cflags(variant), torch.__version__])
-    return f"translator_step_{variant}_{hashlib.sha256(SOURCE.read_bytes() + flags.encode()).hexdigest()[:12]}"
+    """The extension's name: the variant and a short hash of what its build depends on (every C++
+    source and header, by name and content, the flags, torch's version), so two checkouts, an
+    upgrade or another torch on one machine never load each other's build, a header's edit
+    rebuilds, and a build found under it is the right one."""
+    digest = hashlib.sha256()
+    for path in sorted([*_sources(), *CSRC.glob("*.h")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join([*_cflags(variant), torch.__version__]).encode())
+    return f"translator_step_{variant}_{digest.hexdigest()[:12]}"
 
 
 def _build_directory(name: str) -> Path:
@@ -276,7 +290,7 @@ def _build(variant: str) -> ModuleType | None:
         _clear_stale_lock(_build_directory(name) / "lock")
         module = cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in _sources()],
             extra_cflags=_cflags(variant),
             verbose=False,
         )
@@ -306,7 +320,7 @@ def _compile(variant: str) -> Path:
     _clear_stale_lock(directory / "lock")
     cpp_extension._write_ninja_file_and_build_library(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(path) for path in _sources()],
         extra_cflags=_cflags(variant),
         extra_cuda_cflags=[],
         extra_sycl_cflags=[],

@@ -64,9 +64,10 @@ class DecoderStep:
         self.few_rows = few_rows_of(model, self.fused)
         self.layers = [BoundDecoderLayer.of(layer, fast, self.few_rows) for layer in model.decoder_layers]
         # where every product runs on packed panels, all layers of a step in one call
-        self.stack = None if self.norm_first else panel_stack(self.fused, [
-            ([layer.self_attn.qkv, layer.self_attn.out, layer.cross_attn.q, layer.cross_attn.out, layer.ff.fc1,
-              layer.ff.fc2], [layer.self_block.norm, layer.cross_block.norm, layer.ff_block.norm])
+        self.stack = None if self.norm_first else panel_stack(self.fused, "DecoderLayerWeights", [
+            (dict(self_qkv=layer.self_attn.qkv, self_out=layer.self_attn.out, cross_q=layer.cross_attn.q,
+                  cross_out=layer.cross_attn.out, fc1=layer.ff.fc1, fc2=layer.ff.fc2),
+             dict(self_norm=layer.self_block.norm, cross_norm=layer.cross_block.norm, ff_norm=layer.ff_block.norm))
             for layer in model.decoder_layers
         ])  # fmt: skip
         # each layer's cross-attention K/V projection, for the memory of sentences that join

@@ -1,4 +1,4 @@
-"""The fused decoder-step kernels (model/engine/fused.py, model/csrc/step_kernels.cpp): chosen from
+"""The fused decoder-step kernels (model/engine/fused.py, model/engine/csrc): chosen from
 the CPU's features, built here for real, and giving the tensor operations' results."""
 
 from __future__ import annotations
@@ -939,10 +939,12 @@ def test_passes_on_panels_alone_run_every_layer_in_one_call(variant: str) -> Non
                 for tag, (ids, score) in decode(kept, options, True)[0].items():
                     assert ids == stacked[0][tag][0] and score == pytest.approx(stacked[0][tag][1], abs=1e-4)
     x, mask = torch.zeros(1, 32), torch.empty(0, dtype=torch.bool)
-    with pytest.raises(RuntimeError, match="parameters per layer"):
-        kernels_module.encoder_layers(x, [x] * 5, mask, 4, 1.0, 1e-5)
+    with pytest.raises(TypeError):  # a layer's weights are named, every one of them
+        kernels_module.EncoderLayerWeights(qkv=(x, x), out=(x, x), fc1=(x, x), fc2=(x, x), attn_norm=(x, x))
+    names = ("self_qkv", "self_out", "cross_q", "cross_out", "fc1", "fc2", "self_norm", "cross_norm", "ff_norm")
+    layer = kernels_module.DecoderLayerWeights(**{name: (x, x) for name in names})
     with pytest.raises(RuntimeError, match="one cache of each kind per layer"):
-        kernels_module.decoder_layers(x, [x] * 17, [x], [x], [0], mask, [x], [x], x, 1.0, 1e-5, EVERY, EVERY, [])
+        kernels_module.decoder_layers(x, [layer], [x], [x], [0], mask, [], [x], x, 1.0, 1e-5, EVERY, EVERY, [])
 
 
 @pytest.mark.parametrize("variant", [v for v in RUNNABLE if fused.panel_rows_limit(v) > 0])
@@ -1004,13 +1006,15 @@ def test_the_long_kernels_let_other_python_threads_run() -> None:
         return [module.pack_panels(torch.randn(n, k) / k**0.5), torch.zeros(n)]
 
     layer = [*packed(3 * d, d), *packed(d, d), *packed(f, d), *packed(d, f)]
-    layer += [torch.ones(d), torch.zeros(d), torch.ones(d), torch.zeros(d)]
+    norm = (torch.ones(d), torch.zeros(d))
+    weights = module.EncoderLayerWeights(qkv=tuple(layer[0:2]), out=tuple(layer[2:4]), fc1=tuple(layer[4:6]),
+                                         fc2=tuple(layer[6:8]), attn_norm=norm, ff_norm=norm)  # fmt: skip
     x, mask = torch.randn(rows, d), torch.ones(rows // 32, 32, dtype=torch.bool)
     int8_panels, colsums = module.pack_int8(torch.randint(-127, 128, (f, d), dtype=torch.int8))
     calls = {
         "panel_linear": lambda: module.panel_linear(x, layer[4], layer[5], True),
         "int8_linear": lambda: module.int8_linear(x, int8_panels, colsums, torch.ones(f), torch.empty(0), True),
-        "encoder_layers": lambda: module.encoder_layers(x.clone(), layer * 2, mask, 4, 0.125, 1e-5),
+        "encoder_layers": lambda: module.encoder_layers(x.clone(), [weights] * 2, mask, 4, 0.125, 1e-5),
     }
     ticks, stop = [0], threading.Event()
 
@@ -1143,7 +1147,7 @@ def test_an_install_without_the_source_leaves_the_tensor_operations(
 ) -> None:
     """A package installed without model/csrc (say, by a packager that drops data files): a
     warning, no kernels, no crash."""
-    monkeypatch.setattr(fused, "SOURCE", tmp_path / "missing.cpp")
+    monkeypatch.setattr(fused, "CSRC", tmp_path / "missing")
     monkeypatch.setitem(fused.FLAGS, "sourceless", [])
     with caplog.at_level(logging.WARNING, logger="model.engine.fused"):
         assert fused.load("sourceless") is None
