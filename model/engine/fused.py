@@ -2,16 +2,16 @@
 built for this CPU on first use, loaded from torch's extension cache afterwards, and optional.
 
 A decoder step at one sentence spends more time dispatching the small operations between its
-matrix products than computing them (docs/benchmarks.md "The fused step"). The C++ file does
+matrix products than computing them (docs/benchmarks/README.md#fused-step). The C++ files do
 each of them in one call: a step's input embedding, each attention sub-layer (cache write,
 scores, softmax, weighted sum, heads merged), each post-LN residual join, a step of beam
 search's bookkeeping (``model.engine.beams.Beams.advance``), the KV cache's reorder, and for joining
 sentences the encoder's self-attention, the shortlist's candidates and the cross-attention K/V
 split into heads, and each row's logits over its own sentence's shortlist columns
 (``span_logits``). It also has a matrix product for a few rows (``linear``, up to
-``FEW_ROWS``), which streams the weights faster than MKL's sgemm there ("Small-row matrix
-products"), and one for up to a few hundred rows on weights packed into panels (``panel_linear``,
-up to ``PANEL_ROWS``: "Packed panels"). ``model.engine.step``, ``Beams``, ``DecodeSession`` and ``KVCache``
+``FEW_ROWS``), which streams the weights faster than MKL's sgemm there, and one for up to a few
+hundred rows on weights packed into panels (``panel_linear``, up to ``PANEL_ROWS``;
+docs/benchmarks/README.md#linear-kernels). ``model.engine.step``, ``Beams``, ``DecodeSession`` and ``KVCache``
 use them when the model names them (``Transformer.fused_step``), and their own tensor operations
 otherwise, with the same results to float rounding (tests/model/test_fused.py, and
 tests/model/test_decoding.py on both paths).
@@ -66,38 +66,25 @@ FLAGS: dict[str, list[str]] = {
     "baseline": [],
 }
 # Products of at most this many rows run on the kernels' own ``linear`` (the weights streamed with
-# a prefetch) instead of MKL's sgemm: one step's 19 products of one sentence [Intel Xeon f6,
-# AVX-512+bf16], weights streaming from L3, µs: AVX-512 build 332-412 against 381-593 at 1-4
-# rows, level at 6-8; AVX2 build 352 / 376 against 467 / 497 at 2 / 4 rows, 359 against 368 at one,
-# 487 against 469 at 3 (one run each, within this host's noise), worse from 6; the default build
-# (SSE, no FMA) slower than MKL from 4 rows (docs/benchmarks.md "Small-row matrix products").
+# a prefetch) instead of MKL's sgemm, which it beats there; the default build (SSE, no FMA) does
+# not (docs/benchmarks/README.md#linear-kernels).
 FEW_ROWS: dict[str, int] = {"avx512vnni": 4, "avx512": 4, "avx2": 4, "baseline": 0}
 # Products of more rows than that, up to this many, run on a copy of the weight packed into panels
 # (``pack_panels`` / ``panel_linear``: the broadcast form, outputs held in registers across the
 # whole reduction), where a layer keeps its float weight; a checkpoint loaded for inference on a
 # plan that runs MKL keeps the panels alone and runs every row count on them
-# (``kernels.PackedPanels``). The encoder's and the step's 12 float32 products [Intel Xeon f6,
-# AVX-512+bf16], µs, MKL's sgemm against panels: 8 rows 415 / 304, 14 rows 569 / 314, 32 rows 986 / 583, 64 rows
-# 1,197 / 1,079, 256 rows 4,607 / 3,743; AVX2 build (capped to AVX2) 8 rows 551 / 340, 64 rows
-# 1,755 / 1,524, 256 rows 5,974 / 5,609 (docs/benchmarks.md "Packed panels"). Not in the default
-# build (no FMA: not measured faster).
+# (``kernels.PackedPanels``). They beat MKL's sgemm up to a few hundred rows; not in the default
+# build, which has no FMA (docs/benchmarks/README.md#linear-kernels).
 PANEL_ROWS: dict[str, int] = {"avx512vnni": 256, "avx512": 256, "avx2": 256, "baseline": 0}
 
 # int8 products of at most this many rows run on the kernels' own int8 product (``pack_int8`` /
 # ``int8_linear``: fbgemm's quantization, each row's activations quantized apart, the weights in
 # panels read by AVX2's vpmaddubsw, or by AVX-512 VNNI's vpdpbusd in the avx512vnni build: the same
-# exact int32 sums) instead of fbgemm's dynamic linear, whose call costs ~35-40 us before any
-# arithmetic. Per call [AMD EPYC Zen 3, AVX2, 2 threads], us, fbgemm against ours: one row 768x256
-# 41 / 10, 256x1024 71 / 15, 8000x256 147 / 44; 64 rows 1024x256 206 / 133, 256x1024 182 / 120;
-# 1,024 rows 1024x256 4,350 / 2,160, 256x1024 2,720 / 2,350: ahead at every row count, so the AVX2
-# build takes them all. On a CPU with AVX-512 VNNI fbgemm has it too, and the AVX2 code fell behind
-# it from 4-16 rows [AMD EPYC Zen 5, 2 threads]: 16 rows 256x1024 33 / 61, 8000x256 99 / 186; 1,024
-# rows 768x256 443 / 1,183. On vpdpbusd: 16 rows 40 / 21, 100 / 76; 1,024 rows 768x256 1,738 / 475,
-# 8000x256 16,215 / 4,490; behind only at 256x1024 from 256 rows (184 / 198, 626 / 671); decoding
-# int8 1.0-1.4x the AVX2 code's (docs/benchmarks.md "int8 on AVX-512 VNNI"): that build takes every
-# row count. The AVX-512 build without VNNI runs the AVX2 code and keeps the few rows where fbgemm's
-# fixed cost alone is larger (fbgemm's AVX-512 path beyond them was not measured against: no such
-# CPU was lent). Not in the default build (int8 needs AVX2).
+# exact int32 sums) instead of fbgemm's dynamic linear, whose call has a large fixed cost. The AVX2
+# and VNNI builds are ahead of fbgemm at every row count, so they take them all; the AVX-512 build
+# without VNNI runs the AVX2 code and keeps only the few rows where fbgemm's fixed cost dominates
+# (beyond them it has not been compared on such a CPU). Not in the default build (int8 needs AVX2).
+# (docs/benchmarks/README.md#linear-kernels)
 EVERY_ROW_COUNT = 1 << 30
 INT8_ROWS: dict[str, int] = {"avx512vnni": EVERY_ROW_COUNT, "avx512": 16, "avx2": EVERY_ROW_COUNT, "baseline": 0}
 
@@ -216,13 +203,17 @@ def _cflags(variant: str) -> list[str]:
     return [*COMMON_FLAGS, *FLAGS[variant]]
 
 
+UNITY = "unity.cpp"  # includes every other file of ``CSRC``: one translation unit
+
+
 def _sources() -> list[Path]:
-    """The C++ files compiled into the extension (every ``.cpp`` in ``CSRC``); FileNotFoundError
-    where there are none (an install without them)."""
-    sources = sorted(CSRC.glob("*.cpp"))
-    if not sources:
+    """The C++ file compiled into the extension: ``UNITY``, which includes the others (compiled
+    apart, each would parse the torch headers again); FileNotFoundError where it is missing (an
+    install without the sources)."""
+    unity = CSRC / UNITY
+    if not unity.is_file():
         raise FileNotFoundError(f"no C++ sources in {CSRC}")
-    return sources
+    return [unity]
 
 
 def _name(variant: str) -> str:

@@ -16,7 +16,7 @@ LayerNormWeights norm(const Pair& p) { return {p.first, p.second}; }
 
 // The longest calls (a whole pass, or a product of many rows: milliseconds in a batch) let go of
 // Python's lock while they run, so the server's event loop goes on reading and answering requests
-// meanwhile (docs/benchmarks.md "One call per pass"). They touch only the tensors they are given.
+// meanwhile (docs/benchmarks/README.md#fused-step). They touch only the tensors they are given.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto unlocked = py::call_guard<py::gil_scoped_release>();
   // module_local: each variant's build registers its own classes, so that several variants load

@@ -5,7 +5,7 @@
 // and bookkeeping; the ~30 of them per decoder layer between the layer's six matrix products
 // (scaling, cache writes, batched matmuls, softmax, head reshapes, residual adds, layer norms)
 // cost more than the arithmetic. Here each attention sub-layer is one call and each residual +
-// layer norm another (docs/benchmarks.md "The fused step"). Matrix products of a few rows have
+// layer norm another (docs/benchmarks/README.md#fused-step). Matrix products of a few rows have
 // their own kernels here (tiles.h, gemm_*.cpp); larger ones stay in torch (MKL).
 //
 // This header holds what every file of the kernels shares: the thread split, the fixed-order
@@ -45,7 +45,7 @@ constexpr int64_t kChunksPerThread = 8;
 // instead of one fixed share each. When the OS preempts one of the threads mid-split (a server's
 // event loop wakes up on its core), the others take over its unclaimed chunks rather than finish
 // their own share and wait at the end for its; with fixed shares both cores lost the time the
-// preempted one was off its core (docs/benchmarks.md "Chunks claimed, not shares"). Which thread
+// preempted one was off its core (docs/benchmarks/README.md#fused-step). Which thread
 // does an item never changes its result: every item's arithmetic is its own.
 template <typename F>
 void parallel_chunks(int64_t begin, int64_t end, int64_t grain, const F& f) {

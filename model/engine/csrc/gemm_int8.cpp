@@ -9,8 +9,7 @@
 // 32767). fbgemm takes one (s, z) for the whole input; here each row has its own, so a row's result
 // depends on nothing but the row (at one row the two are the same quantization). torch's
 // quantized.linear_dynamic spends most of a few-row call around the arithmetic (quantizing,
-// packing the input, dispatch); this does little but the product (docs/benchmarks.md "An int8
-// product of our own").
+// packing the input, dispatch); this does little but the product (docs/benchmarks/README.md#linear-kernels).
 //
 // Layout: the weight in panels of kInt8Panel outputs, each in groups of 4 k: (N / 16, K / 4, 16, 4),
 // so one 32-byte load holds 8 outputs' 4 weights of a group, a row's 4 activations of the group are

@@ -8,7 +8,7 @@
 // broadcast form on a copy of the weight packed once: panels of kPanel weight rows, each stored
 // transposed (K, kPanel), so a block of up to kPanelRows rows by one panel keeps its outputs in
 // 2 x rows accumulator vectors, and each k loads the panel's two vectors and broadcasts one x value
-// per row (docs/benchmarks.md "Packed panels"). Each output is summed over k in an order that
+// per row (docs/benchmarks/README.md#linear-kernels). Each output is summed over k in an order that
 // depends only on how many rows its block holds (blocks of kPanelRows, then one of the rest), so a
 // row's result does not depend on the values of the other rows.
 constexpr int64_t kPanel = 2 * kVec;

@@ -9,8 +9,7 @@
 // weights, streamed from L3 (the weights of all layers do not fit in L2) with a few multiply-adds
 // per weight loaded, so the product is bound by how fast the weights are read. This kernel keeps a
 // tile of weight rows (the whole reduction of each in registers) per rows group and prefetches the
-// next tile's rows while it computes, so the reads overlap the arithmetic (docs/benchmarks.md
-// "Small-row matrix products"). Above a few rows MKL's blocking wins, and model/engine/step.py
+// next tile's rows while it computes, so the reads overlap the arithmetic (docs/benchmarks/README.md#linear-kernels). Above a few rows MKL's blocking wins, and model/engine/step.py
 // hands those calls back to torch.
 //
 // Each output is the sum over k of x[r][k] * w[n][k] in kVec running lanes (lane l takes
