@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,19 +16,11 @@ from model.network.tokenizer import Tokenizer, train_tokenizer
 from model.network.transformer import Transformer
 from model.training.data import MULTI30K_DIR, read_lines
 from tests.factories import tiny_config
+from tests.helpers import IN_CI, ROOT, SHIPPED, require
 
-ROOT = Path(__file__).resolve().parents[1]
+__all__ = ["DATA", "IN_CI", "ROOT", "SHIPPED", "require"]  # (tests import them from tests.helpers)
+
 DATA = MULTI30K_DIR
-SHIPPED = ROOT / "weights" / "de-en"
-IN_CI = os.environ.get("CI", "").lower() == "true"
-
-
-def require(condition: bool, reason: str) -> None:
-    """Skip on a user's machine, fail under CI=true: CI must never skip silently."""
-    if not condition:
-        if IN_CI:
-            pytest.fail(f"CI: {reason}")
-        pytest.skip(reason)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -80,7 +71,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     import shutil
     import subprocess
 
-    from bench.server import free_port
+    from tests.helpers import free_port
 
     binary = shutil.which("redis-server")
     require(binary is not None, "redis-server not installed (apt-get install redis-server)")

@@ -12,7 +12,7 @@ import pytest
 from app import version
 from app.cli import COMMANDS, serve_settings
 from app.settings import Settings
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -19,8 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from model.training.data import read_lines
-from tests.conftest import SHIPPED, require
-from tests.helpers import ROOT, free_port, running_server, stop, wait_ready
+from tests.helpers import ROOT, SHIPPED, free_port, require, running_server, stop, wait_ready
 
 DOC = {"source": "de", "target": "en"}
 

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from bench.compile_step import StaticCache, functional_step
-from tests.conftest import require
 from tests.factories import random_model
-from tests.helpers import ROOT
+from tests.helpers import ROOT, require
 
 
 @pytest.mark.parametrize(

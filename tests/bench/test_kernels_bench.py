@@ -10,8 +10,7 @@ import torch
 
 from model.engine import fused, kernels
 from model.engine.features import detected, fused_variant
-from tests.conftest import require
-from tests.helpers import ROOT
+from tests.helpers import ROOT, require
 
 
 def runnable() -> set[str]:

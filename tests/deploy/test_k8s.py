@@ -18,9 +18,8 @@ import yaml
 
 from app.observability.metrics import Metrics
 from app.settings import Settings
-from tests.conftest import require
 from tests.deploy import dashboard
-from tests.helpers import ROOT
+from tests.helpers import ROOT, require
 
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu", "cpu-utilization")

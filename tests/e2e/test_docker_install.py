@@ -22,9 +22,8 @@ import httpx
 import pytest
 
 from model.engine.features import detected, fused_variant
-from tests.conftest import SHIPPED
 from tests.deploy.dockerfile import Replay, exec_form, healthcheck_command, host_env, parse
-from tests.helpers import ROOT, free_port, stop, wait_ready
+from tests.helpers import ROOT, SHIPPED, free_port, stop, wait_ready
 
 DOCKERFILE = ROOT / "Dockerfile"
 DEV_ONLY = ("pytest", "ruff", "mypy", "hadolint", "docker-compose")

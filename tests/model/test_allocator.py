@@ -9,7 +9,7 @@ import resource
 import pytest
 import torch
 
-from bench.decode import status_kib
+from bench.memory import status_kib
 from model.engine import allocator
 from model.engine.allocator import (
     M_MMAP_THRESHOLD,
@@ -25,8 +25,7 @@ from model.engine.allocator import (
     zeroed_pages,
 )
 from model.engine.features import detected
-from tests.conftest import ROOT, require
-from tests.helpers import rss_mib
+from tests.helpers import ROOT, require, rss_mib
 
 
 def faults_for_fresh_tensors(n: int = 20, mib: int = 8) -> int:
@@ -94,7 +93,7 @@ def test_release_free_memory_hands_a_freed_burst_back_to_the_os() -> None:
 _BURST = """
 import torch
 from model.engine.allocator import active_malloc, release_free_memory
-from tests.helpers import rss_mib
+from bench.memory import rss_mib
 release_free_memory()
 base = rss_mib()
 burst = [torch.empty(2**18).fill_(1.0) for _ in range(200)]  # 200 x 1 MiB
@@ -129,7 +128,7 @@ def test_mimalloc_is_preloaded_and_hands_a_freed_burst_back() -> None:
 _INTERLEAVED = """
 import ctypes, torch
 from model.engine.allocator import _MI_DECOMMIT_DELAY, freeing_at_once, release_free_memory
-from tests.helpers import rss_mib
+from bench.memory import rss_mib
 def churn():
     # as loading does: temporaries freed between blocks that stay (the packed weights)
     kept, temps = [], []
@@ -221,8 +220,9 @@ def test_the_onednn_caches_are_bounded_unless_the_user_set_them() -> None:
 # Runs in a fresh interpreter (the caches live as long as the process, or the thread): ideep
 # keeps a primitive descriptor for every linear shape a thread ran, ~0.27 MiB each on AVX2.
 _DESCRIPTOR_CACHE_PROBE = """
-import resource, threading
+import threading
 import torch
+from bench.memory import rss_mib as resident_mib
 from model.engine.allocator import bound_onednn_cache, release_free_memory
 
 bound_onednn_cache()
@@ -235,8 +235,7 @@ def linear(x):  # oneDNN on the packed weight, every row count exact (kernels.on
 
 def rss_mib():
     release_free_memory()
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    return resident_mib()
 
 def model_thread():  # as the service's batcher: every shape in one thread
     with torch.inference_mode():
@@ -267,7 +266,7 @@ def test_the_caches_of_onednn_shapes_are_bounded_in_a_model_thread() -> None:
     base = {k: v for k, v in os.environ.items() if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
 
     def grown(**env: str) -> float:
-        run = subprocess.run([sys.executable, "-c", _DESCRIPTOR_CACHE_PROBE], env={**base, **env},
+        run = subprocess.run([sys.executable, "-c", _DESCRIPTOR_CACHE_PROBE], env={**base, **env}, cwd=ROOT,
                              capture_output=True, text=True, check=True)  # fmt: skip
         return float(run.stdout.split()[-1])
 

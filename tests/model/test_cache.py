@@ -20,8 +20,7 @@ from model.engine.cache import (
     move_rows,
 )
 from model.engine.features import detected, fused_variant
-from tests.conftest import require
-from tests.helpers import rss_mib
+from tests.helpers import require, rss_mib
 
 H, DH = 2, 3
 

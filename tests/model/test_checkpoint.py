@@ -18,8 +18,8 @@ from model.engine.options import DecodingOptions
 from model.engine.translator import Translator
 from model.network.tokenizer import Tokenizer
 from model.network.transformer import Transformer
-from tests.conftest import require
 from tests.factories import PACKED_FEATURES, packed_plan, tiny_config
+from tests.helpers import require
 
 SENTENCES = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee auf einer Wiese."]
 

@@ -34,9 +34,8 @@ from model.engine.shortlist import ShortlistColumns
 from model.engine.step import DecoderStep, EncoderPass, bound_passes
 from model.engine.translator import Translator
 from model.network.transformer import Transformer
-from tests.conftest import ROOT, require
-from tests.factories import V, assert_steps_match, make_model
-from tests.model.test_decoding import sources
+from tests.factories import V, assert_steps_match, make_model, sources
+from tests.helpers import ROOT, require
 
 HERE = detected()
 # every variant this CPU can run: its own and the narrower ones
