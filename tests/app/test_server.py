@@ -21,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from model.training.data import read_lines
 from tests.helpers import ROOT, SHIPPED, free_port, require, running_server, stop, wait_ready
 
+pytestmark = pytest.mark.usefixtures("fused_kernels")
+
 DOC = {"source": "de", "target": "en"}
 
 
@@ -50,6 +52,7 @@ async def post_all(url: str, bodies: list[dict[str, Any]], timeout: float = 120)
         return await asyncio.gather(*(client.post("/translate", json=b) for b in bodies))
 
 
+@pytest.mark.server
 def test_concurrent_requests_match_sequential_and_are_batched(
     weights_env: dict[str, str], test_sentences: list[str]
 ) -> None:
@@ -71,6 +74,7 @@ def test_concurrent_requests_match_sequential_and_are_batched(
         assert metric(url, "translator_batch_sentences_sum") - rows == alone
 
 
+@pytest.mark.server
 def test_full_queue_answers_429_at_once(weights_env: dict[str, str], test_sentences: list[str]) -> None:
     env = {
         **weights_env,
@@ -101,6 +105,7 @@ def test_full_queue_answers_429_at_once(weights_env: dict[str, str], test_senten
         assert httpx.get(f"{url}/health").status_code == 200
 
 
+@pytest.mark.server
 def test_timeout_gives_504_and_server_keeps_serving(weights_env: dict[str, str], test_sentences: list[str]) -> None:
     env = {
         **weights_env,
@@ -120,6 +125,7 @@ def test_timeout_gives_504_and_server_keeps_serving(weights_env: dict[str, str],
         assert httpx.get(f"{url}/health").status_code == 200
 
 
+@pytest.mark.server
 def test_disconnected_client_leaves_no_work_queued(weights_env: dict[str, str], test_sentences: list[str]) -> None:
     # All 1,000 test sentences at beam 8, one at a time: ~6 s on the fastest CPU seen (a Zen 5),
     # 20x the client's 0.3 s, so the client leaves mid-work on any host.
@@ -192,6 +198,7 @@ def sigterm_while_busy(
             stop(proc)
 
 
+@pytest.mark.server
 def test_sigterm_finishes_accepted_requests(weights_env: dict[str, str], test_sentences: list[str]) -> None:
     bodies = [{"q": test_sentences[i : i + 6], **DOC} for i in range(8)]
     # drain and request timeouts far above the work's (~5-40 s on 2 busy cores): what is tested is
@@ -206,6 +213,7 @@ def test_sigterm_finishes_accepted_requests(weights_env: dict[str, str], test_se
         httpx.get(f"{url}/health")
 
 
+@pytest.mark.server
 def test_requests_cut_off_by_the_drain_timeout_get_503_not_500(
     weights_env: dict[str, str], test_sentences: list[str]
 ) -> None:
@@ -229,6 +237,7 @@ def test_requests_cut_off_by_the_drain_timeout_get_503_not_500(
     ],
     ids=["cli", "uvicorn", "gunicorn"],
 )
+@pytest.mark.server
 def test_sub_second_drain_timeout_holds_however_started(
     weights_env: dict[str, str], test_sentences: list[str], command: list[str]
 ) -> None:
@@ -242,6 +251,7 @@ def test_sub_second_drain_timeout_holds_however_started(
     assert "Exception in ASGI application" not in log and "drain timeout" in log
 
 
+@pytest.mark.server
 def test_ready_is_503_while_loading(weights_env: dict[str, str]) -> None:
     port = free_port()
     env = {**os.environ, **weights_env, "TRANSLATOR_PORT": str(port), "TRANSLATOR_HOST": "127.0.0.1"}
@@ -267,6 +277,7 @@ def test_ready_is_503_while_loading(weights_env: dict[str, str]) -> None:
         stop(proc)
 
 
+@pytest.mark.server
 def test_serve_runs_on_the_allocator_chosen(weights_env: dict[str, str]) -> None:
     """``translator serve`` re-executes itself on mimalloc where installed (TRANSLATOR_MALLOC=auto,
     the default; the same process, so the same PID) and stays on glibc when told; /info says
@@ -295,6 +306,7 @@ def test_serve_refuses_to_start_without_the_allocator_it_was_told_to_use(monkeyp
         cli.main(["serve"])
 
 
+@pytest.mark.server
 def test_libretranslate_client_works_unchanged(weights_env: dict[str, str]) -> None:
     from libretranslatepy import LibreTranslateAPI
 
@@ -309,6 +321,7 @@ def test_libretranslate_client_works_unchanged(weights_env: dict[str, str]) -> N
         assert client.translate(text, "auto", "en") == ours  # the default of several clients
 
 
+@pytest.mark.server
 def test_shipped_model_translates_correctly(shipped: Path, weights_env: dict[str, str]) -> None:
     cases = {
         "Ein Mann fährt mit dem Fahrrad.": ["man", "bike"],
@@ -324,6 +337,7 @@ def test_shipped_model_translates_correctly(shipped: Path, weights_env: dict[str
             assert translation[0].isupper() and translation.endswith(".")
 
 
+@pytest.mark.server
 def test_abandoned_requests_do_not_delay_the_next(
     weights_env: dict[str, str], test_sentences: list[str], tmp_path: Path
 ) -> None:

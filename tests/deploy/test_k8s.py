@@ -21,6 +21,8 @@ from app.settings import Settings
 from tests.deploy import dashboard
 from tests.helpers import ROOT, require
 
+pytestmark = pytest.mark.external
+
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu", "cpu-utilization")
 KUBERNETES_VERSION = "1.30"

@@ -31,7 +31,7 @@ SCRAPE_INTERVAL = "1s"
 TARGET_LABELS = {"instance", "job"}  # added by Prometheus at scrape time
 TEXTS = ["Ein Mann fährt mit dem Fahrrad.", "Zwei Hunde spielen im Schnee.", "Eine Frau liest ein Buch."]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.external, pytest.mark.usefixtures("fused_kernels")]
 
 
 @pytest.fixture(scope="module")

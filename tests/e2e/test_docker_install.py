@@ -28,7 +28,7 @@ from tests.helpers import ROOT, SHIPPED, free_port, stop, wait_ready
 DOCKERFILE = ROOT / "Dockerfile"
 DEV_ONLY = ("pytest", "ruff", "mypy", "hadolint", "docker-compose")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.external, pytest.mark.usefixtures("fused_kernels")]
 
 
 @dataclass(frozen=True)

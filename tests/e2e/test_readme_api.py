@@ -17,6 +17,8 @@ import pytest
 from tests.deploy.readme import api_commands
 from tests.helpers import SHIPPED, require, running_server
 
+pytestmark = [pytest.mark.server, pytest.mark.external, pytest.mark.usefixtures("fused_kernels")]
+
 
 @pytest.fixture(scope="module")
 def server(tiny_weights_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:

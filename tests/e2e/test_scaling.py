@@ -30,7 +30,7 @@ from tests.deploy.readme import block_after
 from tests.deploy.tools import compose_config, find_tool
 from tests.helpers import ROOT, SHIPPED, free_port, running_server, stop
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.external, pytest.mark.usefixtures("fused_kernels")]
 
 
 @dataclass(frozen=True)

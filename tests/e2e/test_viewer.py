@@ -20,6 +20,8 @@ import pytest
 
 from tests.helpers import ROOT, SHIPPED, free_port, require, stop, wait_ready
 
+pytestmark = [pytest.mark.server, pytest.mark.browser, pytest.mark.usefixtures("fused_kernels")]
+
 try:
     from playwright.sync_api import Browser, Page, ViewportSize, sync_playwright
 except ImportError:  # the skip (or CI failure) happens in the fixture, with the reason

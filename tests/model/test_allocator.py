@@ -27,6 +27,8 @@ from model.engine.allocator import (
 from model.engine.features import detected
 from tests.helpers import ROOT, require, rss_mib
 
+pytestmark = pytest.mark.isa
+
 
 def faults_for_fresh_tensors(n: int = 20, mib: int = 8) -> int:
     """Minor page faults while allocating, filling and freeing n tensors of ``mib`` MiB."""
@@ -36,6 +38,7 @@ def faults_for_fresh_tensors(n: int = 20, mib: int = 8) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
+@pytest.mark.slow
 def test_tuned_malloc_reuses_heap_pages_in_a_fresh_process() -> None:
     """Page faults depend on what earlier tests did to this process's heap and allocators (the
     check saw 0 faults after the whole suite), so it runs in an interpreter of its own."""
@@ -252,6 +255,7 @@ print(grown[0])
 """
 
 
+@pytest.mark.slow
 def test_the_caches_of_onednn_shapes_are_bounded_in_a_model_thread() -> None:
     """300 shapes through the oneDNN kernel in one thread: with torch's default (1,024 entries in
     ideep's descriptor cache) the thread keeps all their descriptors; bounded, it keeps 64."""
@@ -296,6 +300,7 @@ print(mkl_buffer_pool())
 
 
 @pytest.mark.parametrize("package", ["model", "app.main", "bench.decode"])
+@pytest.mark.slow
 def test_mkl_keeps_no_buffer_pool_in_a_process_that_imports_the_project_first(package: str) -> None:
     """Every entry point (the service, model.*, bench.*) imports the ``model`` package before
     torch, which turns MKL's buffer pool off; imported after torch, it is on and keeps its

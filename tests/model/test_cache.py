@@ -22,6 +22,8 @@ from model.engine.cache import (
 from model.engine.features import detected, fused_variant
 from tests.helpers import require, rss_mib
 
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("fused_kernels")]
+
 H, DH = 2, 3
 
 

@@ -19,6 +19,8 @@ from tests.factories import V, assert_steps_match, sources
 from tests.factories import make_model as make_plain_model
 from tests.helpers import require
 
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("fused_kernels")]
+
 # A vocabulary large enough for decoding's blocked top-k on the CPU (V = 60 uses torch.topk).
 BIG_V = 40 * TOP_K_BLOCK + 17
 

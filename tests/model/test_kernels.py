@@ -22,6 +22,8 @@ from model.network.linear import Linear, linear
 from tests.factories import PACKED_FEATURES, assert_steps_match, packed_plan
 from tests.helpers import require
 
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("fused_kernels")]
+
 HERE = detected()
 SIMULATED = {"avx512-bf16": AVX512_BF16, "avx512-no-bf16": CpuFeatures(True, True, True, f16c=True), "avx2": AVX2_ONLY,
              "baseline": BASELINE, "intel-avx512-bf16": replace(AVX512_BF16, intel=True),

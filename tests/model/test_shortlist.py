@@ -25,6 +25,8 @@ from model.training.data import read_lines
 from tests.factories import V, make_model
 from tests.helpers import require
 
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("fused_kernels")]
+
 
 def sources(n: int, seed: int, max_len: int = 12) -> list[list[int]]:
     rng = random.Random(seed)
