@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,14 @@ def weights_env(tiny_weights_dir: Path) -> dict[str, str]:
     """Serve the shipped weights when present (they are committed), else the tiny checkpoint."""
     weights = SHIPPED.parent if SHIPPED.is_dir() else tiny_weights_dir
     return {"TRANSLATOR_WEIGHTS_DIR": str(weights), "TRANSLATOR_THREADS": "2"}
+
+
+@pytest.fixture(scope="module")
+def served(weights_env: dict[str, str], fused_kernels: None) -> Iterator[str]:
+    """One server on ``weights_env`` as it is, shared by the tests that only send it requests (the
+    others start their own: other settings, or a server they stop or watch start)."""
+    with running_server(weights_env) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -307,34 +316,34 @@ def test_serve_refuses_to_start_without_the_allocator_it_was_told_to_use(monkeyp
 
 
 @pytest.mark.server
-def test_libretranslate_client_works_unchanged(weights_env: dict[str, str]) -> None:
+def test_libretranslate_client_works_unchanged(served: str) -> None:
     from libretranslatepy import LibreTranslateAPI
 
-    with running_server(weights_env) as url:
-        client = LibreTranslateAPI(url)
-        text = "Ein Mann fährt mit dem Fahrrad."
-        ours = httpx.post(f"{url}/translate", json={"q": text, **DOC}).json()["translatedText"]
-        assert client.translate(text, "de", "en") == ours
-        assert {"code": "de", "name": "German", "targets": ["cs", "en", "fr"]} in client.languages()  # cs, fr via en
-        detected = client.detect("Zwei Hunde spielen im Schnee.")
-        assert detected[0]["language"] == "de" and 50 < detected[0]["confidence"] <= 100
-        assert client.translate(text, "auto", "en") == ours  # the default of several clients
+    url = served
+    client = LibreTranslateAPI(url)
+    text = "Ein Mann fährt mit dem Fahrrad."
+    ours = httpx.post(f"{url}/translate", json={"q": text, **DOC}).json()["translatedText"]
+    assert client.translate(text, "de", "en") == ours
+    assert {"code": "de", "name": "German", "targets": ["cs", "en", "fr"]} in client.languages()  # cs, fr via en
+    detected = client.detect("Zwei Hunde spielen im Schnee.")
+    assert detected[0]["language"] == "de" and 50 < detected[0]["confidence"] <= 100
+    assert client.translate(text, "auto", "en") == ours  # the default of several clients
 
 
 @pytest.mark.server
-def test_shipped_model_translates_correctly(shipped: Path, weights_env: dict[str, str]) -> None:
+def test_shipped_model_translates_correctly(shipped: Path, served: str) -> None:
     cases = {
         "Ein Mann fährt mit dem Fahrrad.": ["man", "bike"],
         "Zwei Hunde spielen im Schnee.": ["two", "dogs", "snow"],
         "Eine Frau mit einem roten Hut sitzt auf einer Bank.": ["woman", "red", "hat", "bench"],
     }
-    with running_server(weights_env) as url:
-        body = {"q": list(cases), **DOC}
-        out = httpx.post(f"{url}/translate", json=body, timeout=60).json()["translatedText"]
-        for translation, words in zip(out, cases.values(), strict=True):
-            lower = translation.lower()
-            assert all(w in lower for w in words), translation
-            assert translation[0].isupper() and translation.endswith(".")
+    url = served
+    body = {"q": list(cases), **DOC}
+    out = httpx.post(f"{url}/translate", json=body, timeout=60).json()["translatedText"]
+    for translation, words in zip(out, cases.values(), strict=True):
+        lower = translation.lower()
+        assert all(w in lower for w in words), translation
+        assert translation[0].isupper() and translation.endswith(".")
 
 
 @pytest.mark.server
