@@ -27,6 +27,7 @@ DATA = MULTI30K_DIR
 COSTLY = ("server", "compile", "train", "browser", "external")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``external`` on every test that runs a redis-server (the ``redis_url`` fixture), then
     ``slow`` on every test with a costly marker."""
