@@ -100,6 +100,7 @@ from typing import Any, TypeVar, get_args
 import torch
 
 from bench import naive
+from bench.memory import status_kib
 from bench.stats import median, median_row
 from model import checkpoint
 from model.engine import kernels, loading
@@ -127,16 +128,6 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-def status_kib(field: str) -> int | None:
-    """A memory field of /proc/self/status (``VmRSS``, ``VmHWM``, ``RssShmem``, ...) in KiB (None off Linux)."""
-    try:
-        text = Path("/proc/self/status").read_text()
-    except OSError:
-        return None
-    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
-    return int(match.group(1)) if match else None
 
 
 def _reset_peak_rss() -> None:

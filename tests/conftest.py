@@ -1,8 +1,8 @@
-"""Shared fixtures: data paths, tiny real checkpoints, the shipped weights, real server processes."""
+"""Shared fixtures: data paths, tiny real checkpoints, the shipped weights, the fused kernels, a
+real redis-server; and the hook that makes every costly test ``slow`` (pyproject.toml's markers)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,27 +17,33 @@ from model.network.tokenizer import Tokenizer, train_tokenizer
 from model.network.transformer import Transformer
 from model.training.data import MULTI30K_DIR, read_lines
 from tests.factories import tiny_config
+from tests.helpers import IN_CI, ROOT, SHIPPED, require
 
-ROOT = Path(__file__).resolve().parents[1]
+__all__ = ["DATA", "IN_CI", "ROOT", "SHIPPED", "require"]  # (tests import them from tests.helpers)
+
 DATA = MULTI30K_DIR
-SHIPPED = ROOT / "weights" / "de-en"
-IN_CI = os.environ.get("CI", "").lower() == "true"
+
+# What a test costs (pyproject.toml's markers): any of these makes it slow, so `-m "not slow"` is the fast loop.
+COSTLY = ("server", "compile", "train", "browser", "external")
 
 
-def require(condition: bool, reason: str) -> None:
-    """Skip on a user's machine, fail under CI=true: CI must never skip silently."""
-    if not condition:
-        if IN_CI:
-            pytest.fail(f"CI: {reason}")
-        pytest.skip(reason)
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``external`` on every test that runs a redis-server (the ``redis_url`` fixture), then
+    ``slow`` on every test with a costly marker."""
+    for item in items:
+        if "redis_url" in getattr(item, "fixturenames", ()) and item.get_closest_marker("external") is None:
+            item.add_marker(pytest.mark.external)
+        if item.get_closest_marker("slow") is None and any(item.get_closest_marker(m) for m in COSTLY):
+            item.add_marker(pytest.mark.slow)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def fused_kernels_built() -> None:
-    """Build this CPU's fused decoder-step kernels (``model.engine.fused``) once, before any test: on a
-    machine whose torch extension cache has none, the first model load compiles them (55 s on a
-    2-core AMD EPYC Zen 3), which would otherwise count against the first test server's
-    readiness deadline. Servers started later, in this process or another, load the cached build."""
+@pytest.fixture(scope="session")
+def fused_kernels() -> None:
+    """This CPU's fused decoder-step kernels (``model.engine.fused``), built once if torch's
+    extension cache has none: requested by the tests that run them and by the fixtures that start
+    servers, whose readiness deadline a first build would eat (55 s on a 2-core AMD EPYC Zen 3).
+    Servers started later, in this process or another, load the cached build."""
     if fused.enabled():
         fused.load(fused_variant(detected()))
 
@@ -80,7 +86,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     import shutil
     import subprocess
 
-    from bench.server import free_port
+    from tests.helpers import free_port
 
     binary = shutil.which("redis-server")
     require(binary is not None, "redis-server not installed (apt-get install redis-server)")

@@ -29,6 +29,13 @@ V = 60  # make_model's vocabulary: ids 0-3 are the specials (pad, unk, bos, eos)
 DOC = {"source": "de", "target": "en"}  # the direction of the tests' checkpoints
 
 
+def sources(n: int, seed: int = 1, min_len: int = 2, max_len: int = 12, vocab: int = V) -> list[list[int]]:
+    """``n`` random source sentences of ``min_len``-``max_len`` ids each (no specials), eos-ended."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [[*torch.randint(4, vocab, (length,), generator=g).tolist(), 3] for length in lengths]
+
+
 def tiny_config(vocab: int, **overrides: object) -> ModelConfig:
     """Two layers of width 32, no dropout: milliseconds per step on any CPU."""
     base: dict[str, object] = dict(

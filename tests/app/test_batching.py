@@ -22,6 +22,8 @@ from model.engine.translator import IdsSession
 from model.network.transformer import Transformer
 from tests.factories import make_model
 
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("fused_kernels")]
+
 LIMITS = BatchLimits(max_sentences=8, max_tokens=1000, max_wait_s=0.0, queue_size=100)
 GREEDY = DecodingOptions(beam_size=1)
 BEAM2 = DecodingOptions(beam_size=2)
@@ -141,6 +143,7 @@ SHORT = [5, 6]
 MID = [*SHORT, 7, 8, 9]
 
 
+@pytest.mark.slow
 def test_the_example_sentences_take_the_steps_the_tests_rely_on() -> None:
     assert steps_alone(LONG, GREEDY) > 2 * steps_alone(SHORT, GREEDY) + 5
 
@@ -184,6 +187,7 @@ def test_each_sentence_is_delivered_as_soon_as_it_is_done() -> None:
     assert h.log == [(1, 0, [tuple(LONG), tuple(SHORT)])]  # one batch of both
 
 
+@pytest.mark.slow
 def test_the_idle_hook_runs_when_the_work_runs_out_not_between_steps() -> None:
     """``on_idle`` (the service returns freed memory to the OS there) runs once the running
     batch has ended and nothing waits: not while sentences are decoding."""
@@ -208,6 +212,7 @@ def test_the_idle_hook_runs_when_the_work_runs_out_not_between_steps() -> None:
     assert h.idle == [0, steps], h.idle  # once at start (after warm-up), and after the batch's last step
 
 
+@pytest.mark.slow
 def test_an_idle_model_waits_for_company_only_when_it_is_expected() -> None:
     """With a long ``max_wait``: a lone sentence starts at once; once sentences arrive often
     enough for company within the wait, an idle model waits for it."""
@@ -233,6 +238,7 @@ def test_an_idle_model_waits_for_company_only_when_it_is_expected() -> None:
     assert h.log[-1][2] == [tuple(LONG), tuple(SHORT)]  # one batch (the oldest first)
 
 
+@pytest.mark.slow
 def test_sentences_join_a_running_batch_between_steps() -> None:
     """A request that arrives while a batch decodes joins it at the next step, instead of
     waiting for it to finish, and gets the same translation as alone."""
@@ -250,6 +256,7 @@ def test_sentences_join_a_running_batch_between_steps() -> None:
     assert h.sample("translator_batch_sentences_sum") == steps + steps_alone(SHORT, GREEDY)
 
 
+@pytest.mark.slow
 def test_under_load_joiners_wait_for_room_for_a_group() -> None:
     """With ``join_group`` 2: while the batch has fewer than two free places, queued
     sentences join it two at a time (one encoder pass), not one at each step a place frees up;
@@ -420,6 +427,7 @@ def test_cancelled_sentences_leave_the_running_batch_at_the_next_step() -> None:
     assert h.metrics.registry.get_sample_value("translator_cancelled_sentences_total", {"stage": "queued"}) == 0
 
 
+@pytest.mark.slow
 def test_cancel_in_the_session_frees_rows_and_keeps_the_others_exact() -> None:
     src = pad([[*LONG, 3], [*SHORT, 3], [9, 10, 11, 3]], 0)
     beam = DecodingOptions(beam_size=3)
@@ -472,6 +480,7 @@ def test_requests_that_can_never_fit_are_too_large_and_the_rest_retry_after_the_
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_models_on_one_model_thread_take_turns_step_by_step() -> None:
     """Two models' schedulers on one ``ModelThread`` (the service's: one OpenMP pool for all
     models): loading, warm-up and every step run on that thread; a short sentence of one model

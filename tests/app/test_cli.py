@@ -12,7 +12,7 @@ import pytest
 from app import version
 from app.cli import COMMANDS, serve_settings
 from app.settings import Settings
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -38,6 +38,7 @@ def test_version_comes_from_the_package_metadata() -> None:
     assert version() == metadata.version("transformer-translator")
 
 
+@pytest.mark.slow
 def test_serve_help_has_every_setting_with_its_variable_and_default() -> None:
     out = cli("serve", "--help")
     assert out.returncode == 0, out.stderr
@@ -56,6 +57,7 @@ def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     assert settings.api_keys == ["a", "b"] and settings.weights_dir == Path("/tmp/w") and settings.dtype == "int8"
 
 
+@pytest.mark.slow
 def test_an_invalid_flag_exits_2_naming_it_without_serving() -> None:
     out = cli("serve", "--port", "0")
     assert out.returncode == 2 and "--port" in out.stderr and "greater than or equal to 1" in out.stderr

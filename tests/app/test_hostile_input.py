@@ -124,6 +124,8 @@ def test_arbitrary_bytes_get_no_5xx(client: TestClient, raw: bytes, content_type
     assert_client_error(client.post("/translate", content=raw, headers={"content-type": content_type}))
 
 
+@pytest.mark.server
+@pytest.mark.usefixtures("fused_kernels")
 def test_a_real_connection_survives_hostile_requests(tiny_weights_dir: Path) -> None:
     """Over one keep-alive connection to a real server: each hostile body gets a 4xx JSON
     answer, and the next request on the same connection is served."""

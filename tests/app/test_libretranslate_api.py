@@ -71,6 +71,8 @@ def http_error(call: Callable[[], Any]) -> tuple[int, dict[str, Any]]:
     return raised.value.code, json.loads(raised.value.read())
 
 
+@pytest.mark.server
+@pytest.mark.usefixtures("fused_kernels")
 def test_bad_requests_get_libretranslates_status_codes_on_a_real_server(tiny_weights_dir: Path) -> None:
     """400 for every bad request and 403 for a wrong key, as LibreTranslate answers (clients
     branch on them), each with its ``error`` and ``error_type``: through libretranslatepy, and

@@ -53,6 +53,8 @@ def receiver() -> Iterator[str]:
     server.shutdown()
 
 
+@pytest.mark.server
+@pytest.mark.usefixtures("fused_kernels")
 def test_spans_of_a_request_reach_an_otlp_receiver(tiny_weights_dir: Path, receiver: str) -> None:
     """One root span a request with a child per phase: FastAPI's own instrumentation is off, so
     it adds no second root span even where it would configure itself from the environment."""
@@ -89,6 +91,8 @@ def test_spans_of_a_request_reach_an_otlp_receiver(tiny_weights_dir: Path, recei
     assert starts == sorted(starts)  # the phases follow one another
 
 
+@pytest.mark.server
+@pytest.mark.usefixtures("fused_kernels")
 def test_the_server_logs_json_lines_with_request_ids_and_extra_fields(tiny_weights_dir: Path) -> None:
     port = free_port()
     env = {
@@ -119,6 +123,7 @@ def test_the_server_logs_json_lines_with_request_ids_and_extra_fields(tiny_weigh
     assert {"ts", "level", "logger", "message", "request_id"} <= set(records[0])
 
 
+@pytest.mark.slow
 def test_every_command_logs_json(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "app.cli", "plot", "training", str(tmp_path)], cwd=ROOT, capture_output=True, text=True

@@ -16,6 +16,8 @@ from model.engine import kernels
 from model.engine.features import detected
 from tests.helpers import ROOT, free_port, running_server
 
+pytestmark = [pytest.mark.server, pytest.mark.isa, pytest.mark.usefixtures("fused_kernels")]
+
 DOC = {"source": "de", "target": "en"}
 
 

@@ -24,6 +24,8 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.helpers import running_server
 
+pytestmark = [pytest.mark.server, pytest.mark.usefixtures("fused_kernels")]
+
 CHECKS = [
     schemathesis.checks.not_a_server_error,
     status_code_conformance,

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from model.training.data import read_lines
-from tests.conftest import SHIPPED, require
-from tests.helpers import ROOT, free_port, running_server, stop, wait_ready
+from tests.helpers import ROOT, SHIPPED, free_port, require, running_server, stop, wait_ready
+
+pytestmark = pytest.mark.usefixtures("fused_kernels")
 
 DOC = {"source": "de", "target": "en"}
 
@@ -30,6 +32,14 @@ def weights_env(tiny_weights_dir: Path) -> dict[str, str]:
     """Serve the shipped weights when present (they are committed), else the tiny checkpoint."""
     weights = SHIPPED.parent if SHIPPED.is_dir() else tiny_weights_dir
     return {"TRANSLATOR_WEIGHTS_DIR": str(weights), "TRANSLATOR_THREADS": "2"}
+
+
+@pytest.fixture(scope="module")
+def served(weights_env: dict[str, str], fused_kernels: None) -> Iterator[str]:
+    """One server on ``weights_env`` as it is, shared by the tests that only send it requests (the
+    others start their own: other settings, or a server they stop or watch start)."""
+    with running_server(weights_env) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +61,7 @@ async def post_all(url: str, bodies: list[dict[str, Any]], timeout: float = 120)
         return await asyncio.gather(*(client.post("/translate", json=b) for b in bodies))
 
 
+@pytest.mark.server
 def test_concurrent_requests_match_sequential_and_are_batched(
     weights_env: dict[str, str], test_sentences: list[str]
 ) -> None:
@@ -72,6 +83,7 @@ def test_concurrent_requests_match_sequential_and_are_batched(
         assert metric(url, "translator_batch_sentences_sum") - rows == alone
 
 
+@pytest.mark.server
 def test_full_queue_answers_429_at_once(weights_env: dict[str, str], test_sentences: list[str]) -> None:
     env = {
         **weights_env,
@@ -102,6 +114,7 @@ def test_full_queue_answers_429_at_once(weights_env: dict[str, str], test_senten
         assert httpx.get(f"{url}/health").status_code == 200
 
 
+@pytest.mark.server
 def test_timeout_gives_504_and_server_keeps_serving(weights_env: dict[str, str], test_sentences: list[str]) -> None:
     env = {
         **weights_env,
@@ -121,6 +134,7 @@ def test_timeout_gives_504_and_server_keeps_serving(weights_env: dict[str, str],
         assert httpx.get(f"{url}/health").status_code == 200
 
 
+@pytest.mark.server
 def test_disconnected_client_leaves_no_work_queued(weights_env: dict[str, str], test_sentences: list[str]) -> None:
     # All 1,000 test sentences at beam 8, one at a time: ~6 s on the fastest CPU seen (a Zen 5),
     # 20x the client's 0.3 s, so the client leaves mid-work on any host.
@@ -193,6 +207,7 @@ def sigterm_while_busy(
             stop(proc)
 
 
+@pytest.mark.server
 def test_sigterm_finishes_accepted_requests(weights_env: dict[str, str], test_sentences: list[str]) -> None:
     bodies = [{"q": test_sentences[i : i + 6], **DOC} for i in range(8)]
     # drain and request timeouts far above the work's (~5-40 s on 2 busy cores): what is tested is
@@ -207,6 +222,7 @@ def test_sigterm_finishes_accepted_requests(weights_env: dict[str, str], test_se
         httpx.get(f"{url}/health")
 
 
+@pytest.mark.server
 def test_requests_cut_off_by_the_drain_timeout_get_503_not_500(
     weights_env: dict[str, str], test_sentences: list[str]
 ) -> None:
@@ -230,6 +246,7 @@ def test_requests_cut_off_by_the_drain_timeout_get_503_not_500(
     ],
     ids=["cli", "uvicorn", "gunicorn"],
 )
+@pytest.mark.server
 def test_sub_second_drain_timeout_holds_however_started(
     weights_env: dict[str, str], test_sentences: list[str], command: list[str]
 ) -> None:
@@ -243,6 +260,7 @@ def test_sub_second_drain_timeout_holds_however_started(
     assert "Exception in ASGI application" not in log and "drain timeout" in log
 
 
+@pytest.mark.server
 def test_ready_is_503_while_loading(weights_env: dict[str, str]) -> None:
     port = free_port()
     env = {**os.environ, **weights_env, "TRANSLATOR_PORT": str(port), "TRANSLATOR_HOST": "127.0.0.1"}
@@ -268,6 +286,7 @@ def test_ready_is_503_while_loading(weights_env: dict[str, str]) -> None:
         stop(proc)
 
 
+@pytest.mark.server
 def test_serve_runs_on_the_allocator_chosen(weights_env: dict[str, str]) -> None:
     """``translator serve`` re-executes itself on mimalloc where installed (TRANSLATOR_MALLOC=auto,
     the default; the same process, so the same PID) and stays on glibc when told; /info says
@@ -296,35 +315,38 @@ def test_serve_refuses_to_start_without_the_allocator_it_was_told_to_use(monkeyp
         cli.main(["serve"])
 
 
-def test_libretranslate_client_works_unchanged(weights_env: dict[str, str]) -> None:
+@pytest.mark.server
+def test_libretranslate_client_works_unchanged(served: str) -> None:
     from libretranslatepy import LibreTranslateAPI
 
-    with running_server(weights_env) as url:
-        client = LibreTranslateAPI(url)
-        text = "Ein Mann fährt mit dem Fahrrad."
-        ours = httpx.post(f"{url}/translate", json={"q": text, **DOC}).json()["translatedText"]
-        assert client.translate(text, "de", "en") == ours
-        assert {"code": "de", "name": "German", "targets": ["cs", "en", "fr"]} in client.languages()  # cs, fr via en
-        detected = client.detect("Zwei Hunde spielen im Schnee.")
-        assert detected[0]["language"] == "de" and 50 < detected[0]["confidence"] <= 100
-        assert client.translate(text, "auto", "en") == ours  # the default of several clients
+    url = served
+    client = LibreTranslateAPI(url)
+    text = "Ein Mann fährt mit dem Fahrrad."
+    ours = httpx.post(f"{url}/translate", json={"q": text, **DOC}).json()["translatedText"]
+    assert client.translate(text, "de", "en") == ours
+    assert {"code": "de", "name": "German", "targets": ["cs", "en", "fr"]} in client.languages()  # cs, fr via en
+    detected = client.detect("Zwei Hunde spielen im Schnee.")
+    assert detected[0]["language"] == "de" and 50 < detected[0]["confidence"] <= 100
+    assert client.translate(text, "auto", "en") == ours  # the default of several clients
 
 
-def test_shipped_model_translates_correctly(shipped: Path, weights_env: dict[str, str]) -> None:
+@pytest.mark.server
+def test_shipped_model_translates_correctly(shipped: Path, served: str) -> None:
     cases = {
         "Ein Mann fährt mit dem Fahrrad.": ["man", "bike"],
         "Zwei Hunde spielen im Schnee.": ["two", "dogs", "snow"],
         "Eine Frau mit einem roten Hut sitzt auf einer Bank.": ["woman", "red", "hat", "bench"],
     }
-    with running_server(weights_env) as url:
-        body = {"q": list(cases), **DOC}
-        out = httpx.post(f"{url}/translate", json=body, timeout=60).json()["translatedText"]
-        for translation, words in zip(out, cases.values(), strict=True):
-            lower = translation.lower()
-            assert all(w in lower for w in words), translation
-            assert translation[0].isupper() and translation.endswith(".")
+    url = served
+    body = {"q": list(cases), **DOC}
+    out = httpx.post(f"{url}/translate", json=body, timeout=60).json()["translatedText"]
+    for translation, words in zip(out, cases.values(), strict=True):
+        lower = translation.lower()
+        assert all(w in lower for w in words), translation
+        assert translation[0].isupper() and translation.endswith(".")
 
 
+@pytest.mark.server
 def test_abandoned_requests_do_not_delay_the_next(
     weights_env: dict[str, str], test_sentences: list[str], tmp_path: Path
 ) -> None:

@@ -25,6 +25,7 @@ def weights(shipped: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.slow
 def test_the_setting_picks_what_a_step_scores(weights: Path, enabled: bool) -> None:
     ckpt = loading.load(weights / "de-en")
     table = loading.load_shortlist(weights / "de-en", ckpt.config.tgt_vocab_size) if enabled else None

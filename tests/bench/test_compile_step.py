@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from bench.compile_step import StaticCache, functional_step
-from tests.conftest import require
 from tests.factories import random_model
-from tests.helpers import ROOT
+from tests.helpers import ROOT, require
 
 
 @pytest.mark.parametrize(
@@ -38,6 +37,7 @@ def test_the_twin_step_computes_the_networks_teacher_forced_logits(overrides: di
         torch.testing.assert_close(rows, reference.expand(3, -1, -1), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.compile
 def test_cli_reports_eager_compiled_and_engine_times_per_row_count(tiny_weights_dir: Path) -> None:
     require(shutil.which("c++") is not None or shutil.which("g++") is not None, "torch.compile needs a C++ compiler")
     cmd = [sys.executable, "-m", "bench.compile_step", "--weights", str(tiny_weights_dir / "de-en")]

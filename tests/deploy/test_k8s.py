@@ -18,9 +18,10 @@ import yaml
 
 from app.observability.metrics import Metrics
 from app.settings import Settings
-from tests.conftest import require
 from tests.deploy import dashboard
-from tests.helpers import ROOT
+from tests.helpers import ROOT, require
+
+pytestmark = pytest.mark.external
 
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("cpu", "gpu", "cpu-utilization")

@@ -65,6 +65,7 @@ def scaled(scale_file: Path) -> dict[str, Any]:
     return data
 
 
+@pytest.mark.external
 def test_scale_example_is_valid_compose_with_replicas_behind_a_balancer(scaled: dict[str, Any]) -> None:
     translator, balancer = scaled["services"]["translator"], scaled["services"]["balancer"]
     assert translator["deploy"]["replicas"] == 3
@@ -77,12 +78,14 @@ def haproxy_config(scaled: dict[str, Any]) -> str:
     return content
 
 
+@pytest.mark.external
 def test_balancer_checks_ready_not_health(scaled: dict[str, Any]) -> None:
     config = haproxy_config(scaled)
     assert "http-check send meth GET uri /ready" in config and "/health" not in config
     assert "server-template translator" in config and "translator:8000" in config
 
 
+@pytest.mark.external
 def test_balancer_config_passes_haproxy_check(scaled: dict[str, Any], tmp_path: Path) -> None:
     haproxy = find_tool("haproxy", "apt-get install haproxy")
     config = tmp_path / "haproxy.cfg"

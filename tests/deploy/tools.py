@@ -9,8 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import require
-from tests.helpers import ROOT
+from tests.helpers import ROOT, require
 
 
 def find_tool(name: str, hint: str) -> Path:

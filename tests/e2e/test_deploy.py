@@ -22,9 +22,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import SHIPPED, require
 from tests.deploy import dashboard
-from tests.helpers import ROOT, free_port, running_server, stop
+from tests.helpers import ROOT, SHIPPED, free_port, require, running_server, stop
 
 PROMETHEUS_YML = ROOT / "deploy" / "prometheus.yml"
 PROMETHEUS_BIN = Path(os.environ.get("PROMETHEUS_BIN", "/usr/bin/prometheus"))
@@ -32,7 +31,7 @@ SCRAPE_INTERVAL = "1s"
 TARGET_LABELS = {"instance", "job"}  # added by Prometheus at scrape time
 TEXTS = ["Ein Mann fährt mit dem Fahrrad.", "Zwei Hunde spielen im Schnee.", "Eine Frau liest ein Buch."]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.external, pytest.mark.usefixtures("fused_kernels")]
 
 
 @pytest.fixture(scope="module")

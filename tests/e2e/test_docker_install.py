@@ -22,14 +22,13 @@ import httpx
 import pytest
 
 from model.engine.features import detected, fused_variant
-from tests.conftest import SHIPPED
 from tests.deploy.dockerfile import Replay, exec_form, healthcheck_command, host_env, parse
-from tests.helpers import ROOT, free_port, stop, wait_ready
+from tests.helpers import ROOT, SHIPPED, free_port, stop, wait_ready
 
 DOCKERFILE = ROOT / "Dockerfile"
 DEV_ONLY = ("pytest", "ruff", "mypy", "hadolint", "docker-compose")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.external, pytest.mark.usefixtures("fused_kernels")]
 
 
 @dataclass(frozen=True)

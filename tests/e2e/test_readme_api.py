@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SHIPPED, require
 from tests.deploy.readme import api_commands
-from tests.helpers import running_server
+from tests.helpers import SHIPPED, require, running_server
+
+pytestmark = [pytest.mark.server, pytest.mark.external, pytest.mark.usefixtures("fused_kernels")]
 
 
 @pytest.fixture(scope="module")

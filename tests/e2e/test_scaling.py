@@ -26,12 +26,11 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import SHIPPED
 from tests.deploy.readme import DEPLOY, block_after
 from tests.deploy.tools import compose_config, find_tool
-from tests.helpers import ROOT, free_port, running_server, stop
+from tests.helpers import ROOT, SHIPPED, free_port, running_server, stop
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.external, pytest.mark.usefixtures("fused_kernels")]
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import SHIPPED, require
-from tests.helpers import ROOT, free_port, stop, wait_ready
+from tests.helpers import ROOT, SHIPPED, free_port, require, stop, wait_ready
+
+pytestmark = [pytest.mark.server, pytest.mark.browser, pytest.mark.usefixtures("fused_kernels")]
 
 try:
     from playwright.sync_api import Browser, Page, ViewportSize, sync_playwright

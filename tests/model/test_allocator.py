@@ -9,7 +9,7 @@ import resource
 import pytest
 import torch
 
-from bench.decode import status_kib
+from bench.memory import status_kib
 from model.engine import allocator
 from model.engine.allocator import (
     M_MMAP_THRESHOLD,
@@ -25,8 +25,9 @@ from model.engine.allocator import (
     zeroed_pages,
 )
 from model.engine.features import detected
-from tests.conftest import ROOT, require
-from tests.helpers import rss_mib
+from tests.helpers import ROOT, require, rss_mib
+
+pytestmark = pytest.mark.isa
 
 
 def faults_for_fresh_tensors(n: int = 20, mib: int = 8) -> int:
@@ -37,6 +38,7 @@ def faults_for_fresh_tensors(n: int = 20, mib: int = 8) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
+@pytest.mark.slow
 def test_tuned_malloc_reuses_heap_pages_in_a_fresh_process() -> None:
     """Page faults depend on what earlier tests did to this process's heap and allocators (the
     check saw 0 faults after the whole suite), so it runs in an interpreter of its own."""
@@ -94,7 +96,7 @@ def test_release_free_memory_hands_a_freed_burst_back_to_the_os() -> None:
 _BURST = """
 import torch
 from model.engine.allocator import active_malloc, release_free_memory
-from tests.helpers import rss_mib
+from bench.memory import rss_mib
 release_free_memory()
 base = rss_mib()
 burst = [torch.empty(2**18).fill_(1.0) for _ in range(200)]  # 200 x 1 MiB
@@ -129,7 +131,7 @@ def test_mimalloc_is_preloaded_and_hands_a_freed_burst_back() -> None:
 _INTERLEAVED = """
 import ctypes, torch
 from model.engine.allocator import _MI_DECOMMIT_DELAY, freeing_at_once, release_free_memory
-from tests.helpers import rss_mib
+from bench.memory import rss_mib
 def churn():
     # as loading does: temporaries freed between blocks that stay (the packed weights)
     kept, temps = [], []
@@ -221,8 +223,9 @@ def test_the_onednn_caches_are_bounded_unless_the_user_set_them() -> None:
 # Runs in a fresh interpreter (the caches live as long as the process, or the thread): ideep
 # keeps a primitive descriptor for every linear shape a thread ran, ~0.27 MiB each on AVX2.
 _DESCRIPTOR_CACHE_PROBE = """
-import resource, threading
+import threading
 import torch
+from bench.memory import rss_mib as resident_mib
 from model.engine.allocator import bound_onednn_cache, release_free_memory
 
 bound_onednn_cache()
@@ -235,8 +238,7 @@ def linear(x):  # oneDNN on the packed weight, every row count exact (kernels.on
 
 def rss_mib():
     release_free_memory()
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    return resident_mib()
 
 def model_thread():  # as the service's batcher: every shape in one thread
     with torch.inference_mode():
@@ -253,6 +255,7 @@ print(grown[0])
 """
 
 
+@pytest.mark.slow
 def test_the_caches_of_onednn_shapes_are_bounded_in_a_model_thread() -> None:
     """300 shapes through the oneDNN kernel in one thread: with torch's default (1,024 entries in
     ideep's descriptor cache) the thread keeps all their descriptors; bounded, it keeps 64."""
@@ -267,7 +270,7 @@ def test_the_caches_of_onednn_shapes_are_bounded_in_a_model_thread() -> None:
     base = {k: v for k, v in os.environ.items() if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
 
     def grown(**env: str) -> float:
-        run = subprocess.run([sys.executable, "-c", _DESCRIPTOR_CACHE_PROBE], env={**base, **env},
+        run = subprocess.run([sys.executable, "-c", _DESCRIPTOR_CACHE_PROBE], env={**base, **env}, cwd=ROOT,
                              capture_output=True, text=True, check=True)  # fmt: skip
         return float(run.stdout.split()[-1])
 
@@ -297,6 +300,7 @@ print(mkl_buffer_pool())
 
 
 @pytest.mark.parametrize("package", ["model", "app.main", "bench.decode"])
+@pytest.mark.slow
 def test_mkl_keeps_no_buffer_pool_in_a_process_that_imports_the_project_first(package: str) -> None:
     """Every entry point (the service, model.*, bench.*) imports the ``model`` package before
     torch, which turns MKL's buffer pool off; imported after torch, it is on and keeps its

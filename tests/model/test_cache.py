@@ -20,8 +20,9 @@ from model.engine.cache import (
     move_rows,
 )
 from model.engine.features import detected, fused_variant
-from tests.conftest import require
-from tests.helpers import rss_mib
+from tests.helpers import require, rss_mib
+
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("fused_kernels")]
 
 H, DH = 2, 3
 

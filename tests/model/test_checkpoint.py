@@ -19,8 +19,8 @@ from model.engine.options import DecodingOptions
 from model.engine.translator import Translator
 from model.network.tokenizer import Tokenizer
 from model.network.transformer import Transformer
-from tests.conftest import require
 from tests.factories import PACKED_FEATURES, packed_plan, tiny_config
+from tests.helpers import require
 
 SENTENCES = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee auf einer Wiese."]
 
@@ -49,6 +49,7 @@ def test_round_trip_gives_identical_outputs(tmp_path: Path, tiny_tokenizer: Toke
     assert not any(p.suffix in (".pt", ".pkl", ".bin") for p in (tmp_path / "c").iterdir())
 
 
+@pytest.mark.isa
 def test_a_model_loaded_for_inference_is_not_saved_half_released(tmp_path: Path, tiny_weights_dir: Path) -> None:
     """Where the layers' float weights were released at load, saving says so and how to keep
     them, instead of writing a checkpoint without them."""
@@ -72,6 +73,7 @@ def test_fp16_storage_halves_the_file(tmp_path: Path, tiny_weights_dir: Path) ->
 @pytest.mark.parametrize("precision", ["float32", "int8"])
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("stored", [torch.float16, torch.float32])
+@pytest.mark.isa
 def test_inference_reads_the_embeddings_once_and_in_float16_where_exact(
     tmp_path: Path,
     tiny_tokenizer: Tokenizer,
@@ -117,6 +119,7 @@ def test_inference_reads_the_embeddings_once_and_in_float16_where_exact(
         lean.logits(torch.zeros(1, lean.config.d_model))
 
 
+@pytest.mark.isa
 def test_float32_layers_where_mkl_would_run_keep_only_their_panels(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
     """Loaded for inference in float32 where the plan runs MKL's sgemm (an Intel CPU) and the fused
     kernels build: every layer whose weight the panels take runs from its panels alone
@@ -241,6 +244,7 @@ def test_a_many_to_many_card_may_recommend_a_length_penalty_per_direction(tmp_pa
     assert checkpoint.recommended_decoding({}, "cs-en") == {}
 
 
+@pytest.mark.isa
 def test_a_plan_on_panels_whose_kernels_fail_to_build_is_made_again_without_them(
     tmp_path: Path, tiny_weights_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from model.engine.decoding import decode
@@ -11,6 +12,8 @@ from model.engine.options import DecodingOptions
 from model.network.transformer import Transformer
 from model.training.train import inverse_sqrt_schedule, smoothed_loss
 from tests.factories import tiny_config
+
+pytestmark = pytest.mark.train
 
 V, LENGTH, BOS, EOS = 14, 10, 2, 3  # symbols are ids 4..13
 

@@ -16,9 +16,11 @@ from model.engine.features import detected, fused_variant
 from model.engine.options import DecodingOptions
 from model.engine.step import DecoderStep
 from model.network.transformer import Transformer
-from tests.conftest import require
-from tests.factories import V, assert_steps_match
+from tests.factories import V, assert_steps_match, sources
 from tests.factories import make_model as make_plain_model
+from tests.helpers import require
+
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("fused_kernels")]
 
 # A vocabulary large enough for decoding's blocked top-k on the CPU (V = 60 uses torch.topk).
 BIG_V = 40 * TOP_K_BLOCK + 17
@@ -45,12 +47,6 @@ def make_model(seed: int = 0, vocab: int = V, **overrides: object) -> Transforme
     model = make_plain_model(seed, vocab, **overrides)
     model.fused_step = _kernels_of_this_run["variant"]
     return model
-
-
-def sources(n: int, seed: int = 1, min_len: int = 2, max_len: int = 12, vocab: int = V) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
-    return [[*torch.randint(4, vocab, (length,), generator=g).tolist(), 3] for length in lengths]
 
 
 @pytest.mark.parametrize("columns", [BIG_V, 40 * TOP_K_BLOCK, 3 * TOP_K_BLOCK + 5, 7])

@@ -83,6 +83,7 @@ def test_shipped_weights_score_above_the_floor(folder: str, direction: str, data
 
 
 @pytest.mark.slow
+@pytest.mark.isa
 def test_int8_scores_within_0_3_bleu_of_float32(shipped: Path, data_dir: Path) -> None:
     """int8 (fbgemm, per-channel weights, dynamic activations) against float32 on all of test_2016, greedy."""
 
@@ -128,6 +129,7 @@ def test_then_scores_a_pivot_through_the_first_checkpoints_output(data_dir: Path
     assert proc.returncode == 2 and "from fr" in proc.stderr and "into en" in proc.stderr
 
 
+@pytest.mark.slow
 def test_length_penalty_and_hypotheses_options(tmp_path: Path, data_dir: Path) -> None:
     """--length-penalty replaces the card's alpha; --hypotheses keeps the scored translations,
     which are those of the same decoding in process and score as printed."""

@@ -36,13 +36,22 @@ from model.engine.shortlist import ShortlistColumns
 from model.engine.step import DecoderStep, bound_passes
 from model.engine.translator import Translator
 from model.network.transformer import Transformer
-from tests.conftest import ROOT, require
-from tests.factories import V, assert_steps_match, make_model
-from tests.model.test_decoding import sources
+from tests.factories import V, assert_steps_match, make_model, sources
+from tests.helpers import ROOT, require
+
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("fused_kernels")]
 
 HERE = detected()
 # every variant this CPU can run: its own and the narrower ones
 RUNNABLE = runnable_variants(HERE)
+
+
+def variants(names: list[str]) -> list[object]:
+    """``names`` as parameters: this CPU's own variant (the ``fused_kernels`` fixture's build) as
+    it is, the others marked ``compile`` (each is another build of the kernels)."""
+    return [pytest.param(v, marks=() if v == fused_variant(HERE) else pytest.mark.compile) for v in names]
+
+
 EVERY = torch.empty(0, dtype=torch.long)  # the kernels' row maps: every row, in order
 
 
@@ -104,7 +113,7 @@ def test_plans_with_float32_activations_name_the_kernels(monkeypatch: pytest.Mon
         assert kernels.choose("cpu", "float32", AVX512_BF16).fused is None
 
 
-@pytest.mark.parametrize("variant", RUNNABLE)
+@pytest.mark.parametrize("variant", variants(RUNNABLE))
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
 def test_fused_steps_match_full_recomputation(variant: str, norm_first: bool, positions: str) -> None:
@@ -123,7 +132,7 @@ def test_fused_steps_match_full_recomputation(variant: str, norm_first: bool, po
         assert_steps_match(model, src, tgt, full, tol=1e-5)
 
 
-@pytest.mark.parametrize("variant", RUNNABLE)
+@pytest.mark.parametrize("variant", variants(RUNNABLE))
 def test_few_row_products_are_torchs_to_float_rounding(variant: str) -> None:
     """The kernels' own matrix product: x wᵀ + bias (or none), ReLU'd or not, at 1-9 rows, for
     weights of whole 16-row blocks and with a remainder (the shortlist's column counts); each
@@ -145,7 +154,7 @@ def test_few_row_products_are_torchs_to_float_rounding(variant: str) -> None:
         linear(torch.randn(2, 24), torch.randn(8, 24), torch.empty(0), False)
 
 
-@pytest.mark.parametrize("variant", RUNNABLE)
+@pytest.mark.parametrize("variant", variants(RUNNABLE))
 def test_panel_products_are_torchs_to_float_rounding(variant: str) -> None:
     """The product on packed panels: x wᵀ + bias (or none), ReLU'd or not, at 1-70 rows (whole
     blocks of rows and every remainder), K of any size; a row's result is the same bits
@@ -192,7 +201,7 @@ def test_panel_products_are_torchs_to_float_rounding(variant: str) -> None:
         kernels_module.panel_linear(torch.randn(2, 16), other_k, torch.empty(0), False)
 
 
-@pytest.mark.parametrize("variant", RUNNABLE)
+@pytest.mark.parametrize("variant", variants(RUNNABLE))
 def test_results_do_not_depend_on_the_threads_that_share_the_work(variant: str) -> None:
     """The kernels split their work over torch's threads, and each task (a panel, a row and head,
     a row) is computed alone in a fixed order, so the bits do not depend on the split: a pass's
@@ -264,7 +273,7 @@ def test_few_row_products_follow_the_variant_and_the_weights() -> None:
     assert not fused.packable(w, torch.zeros(31), 32)
 
 
-@pytest.mark.parametrize("variant", RUNNABLE)
+@pytest.mark.parametrize("variant", variants(RUNNABLE))
 def test_small_products_run_on_the_kernels_and_large_ones_on_torch(variant: str) -> None:
     """A bound layer of the decoder step and of the encoder that runs MKL (``aten``) on its kept
     float weight: at most the variant's few-row limit gives the kernels' ``linear`` exactly, up to
@@ -374,7 +383,7 @@ def _int8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias
     return out if bias is None else out + bias
 
 
-@pytest.mark.parametrize("variant", [v for v in RUNNABLE if fused.int8_rows_limit(v) > 0])
+@pytest.mark.parametrize("variant", variants([v for v in RUNNABLE if fused.int8_rows_limit(v) > 0]))
 def test_int8_products_quantize_each_row_as_fbgemm_quantizes_a_tensor(variant: str) -> None:
     """The kernels' int8 product: fbgemm's quantized weight (per output channel) by each row's
     activations quantized to 7 bits with a zero point of their own, summed exactly; at one row the
@@ -421,6 +430,7 @@ def test_int8_products_quantize_each_row_as_fbgemm_quantizes_a_tensor(variant: s
         kernels_module.int8_linear(torch.randn(2, 64), panels, colsums, ones, torch.empty(0), False)
 
 
+@pytest.mark.compile
 def test_int8_products_give_the_same_bits_in_every_build_that_takes_them() -> None:
     """The AVX-512 VNNI build's int8 product (vpdpbusd, 8 rows a block) and the AVX2 code of the
     other builds (vpmaddubsw, 4 rows a block) sum the same codes exactly: the same bits out, for
@@ -441,7 +451,7 @@ def test_int8_products_give_the_same_bits_in_every_build_that_takes_them() -> No
                 assert torch.equal(out, outs[0]), (variant, variants[0], n, k, rows)
 
 
-@pytest.mark.parametrize("variant", RUNNABLE)
+@pytest.mark.parametrize("variant", variants(RUNNABLE))
 def test_the_encoder_runs_its_attention_and_joins_on_the_kernels(variant: str) -> None:
     """``EncoderPass`` on the kernels (padded sentences, post-LN and pre-LN, sinusoidal and
     learned positions) gives the modules' encoder output; the attention kernel alone gives
@@ -491,6 +501,7 @@ def test_int8_plans_keep_the_kv_cache_in_float16_where_the_kernels_convert(monke
     assert not CpuFeatures.from_flags(["avx2", "fma"]).f16c
 
 
+@pytest.mark.compile
 def test_the_cache_reorder_copies_what_index_select_does() -> None:
     """``gather_rows_``: rows gathered (repeated, dropped), rows after them zeroed, positions
     sliced on both sides; keys copied before values, so values may land where keys were; with
@@ -532,7 +543,7 @@ def test_the_cache_reorder_copies_what_index_select_does() -> None:
         kernels_module.gather_rows_(k, v, rows, dst, dst.clone(), torch.tensor([0, 1]))
 
 
-@pytest.mark.parametrize("variant", RUNNABLE)
+@pytest.mark.parametrize("variant", variants(RUNNABLE))
 def test_the_attention_kernels_compute_some_rows_as_they_compute_all(variant: str) -> None:
     """A step that computes only some of the cache's rows (a joiner's copies left out): each row's
     attention is, bit for bit, what the step over every row gives it; the rows left out keep their
@@ -567,7 +578,7 @@ def test_the_attention_kernels_compute_some_rows_as_they_compute_all(variant: st
         kernels_module.self_attend(qkv[:2], k.clone(), v.clone(), pos, visible[:2], 0.3, torch.tensor([1, 1]))
 
 
-@pytest.mark.parametrize("variant", RUNNABLE)
+@pytest.mark.parametrize("variant", variants(RUNNABLE))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_reorder_done_by_the_attention_is_the_reorder_then_the_attention(variant: str, dtype: torch.dtype) -> None:
     """``self_attend`` with a reorder (the cache's copy left to the step): bit for bit what
@@ -612,7 +623,7 @@ def test_a_reorder_done_by_the_attention_is_the_reorder_then_the_attention(varia
         kernels_module.self_attend(qkv, k, v, pos, visible, 0.25, EVERY, [src_k, src_v, torch.tensor([5]), every])
 
 
-@pytest.mark.parametrize("variant", RUNNABLE)
+@pytest.mark.parametrize("variant", variants(RUNNABLE))
 def test_the_beams_advance_over_some_rows_as_over_all(variant: str) -> None:
     """The beams' advance given only the rows a step computed (a joining sentence's first row; its
     copies at -inf marked -1) chooses exactly what it chooses given every row's logits, shared
@@ -655,7 +666,7 @@ def test_the_beams_advance_over_some_rows_as_over_all(variant: str) -> None:
                                0.6, 3, 0, EVERY)  # fmt: skip
 
 
-@pytest.mark.parametrize("variant", RUNNABLE)
+@pytest.mark.parametrize("variant", variants(RUNNABLE))
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_the_beams_advance_over_own_columns_as_the_tensor_operations_do(variant: str, beam_size: int) -> None:
     """``Beams.advance`` over a shortlist's shared and own columns on the kernels and on the tensor
@@ -697,7 +708,7 @@ def test_the_beams_advance_over_own_columns_as_the_tensor_operations_do(variant:
         assert all(set(row) <= own for row, own in zip(tok.tolist(), allowed, strict=True))
 
 
-@pytest.mark.parametrize("variant", RUNNABLE)
+@pytest.mark.parametrize("variant", variants(RUNNABLE))
 def test_attention_over_a_float16_cache_is_attention_over_its_float32_values(variant: str) -> None:
     """A float16 KV cache (int8 plans: ``KernelPlan.kv_dtype``): ``self_attend`` stores the new
     key and value rounded as torch rounds (tails past the 8-lane conversions included), and both
@@ -734,6 +745,7 @@ def test_attention_over_a_float16_cache_is_attention_over_its_float32_values(var
         kernels_module.gather_rows_(k16, v16, rows, into_k.float(), into_v.float(), torch.empty(0, dtype=torch.long))
 
 
+@pytest.mark.compile
 def test_joining_sentences_memory_is_the_tensor_operations_one() -> None:
     """``split_kv`` (joiners' cross-attention K/V, heads apart) gives what the tensor operations give."""
     kernels_module = fused.load(built(RUNNABLE[-1]))
@@ -746,7 +758,7 @@ def test_joining_sentences_memory_is_the_tensor_operations_one() -> None:
     assert k16.dtype == torch.float16 and torch.equal(k16, both[0].half()) and torch.equal(v16, both[1].half())
 
 
-@pytest.mark.parametrize("variant", RUNNABLE)
+@pytest.mark.parametrize("variant", variants(RUNNABLE))
 def test_each_rows_own_logits_are_its_products_with_its_sentences_rows(variant: str) -> None:
     """``span_logits``: row r's logits over its sentence's own rows (spans of a buffer laid end to
     end), -inf past their count; the same bits alone as beside other sentences, for some rows (a
@@ -882,7 +894,7 @@ def test_a_sentence_joining_a_beam_batch_decodes_one_row_at_its_first_step(monke
     assert computed == [3, running * 3 + 2, after * 3]
 
 
-@pytest.mark.parametrize("variant", [v for v in RUNNABLE if fused.panel_rows_limit(v) > 0])
+@pytest.mark.parametrize("variant", variants([v for v in RUNNABLE if fused.panel_rows_limit(v) > 0]))
 def test_passes_on_panels_alone_run_every_layer_in_one_call(variant: str) -> None:
     """Where every product of a post-LN model runs on packed panels alone (float weights released,
     as ``loading.load`` does on Intel CPUs), the encoder and the decoder step run all their
@@ -947,7 +959,7 @@ def test_passes_on_panels_alone_run_every_layer_in_one_call(variant: str) -> Non
         kernels_module.decoder_layers(x, [layer], [x], [x], [0], mask, [], [x], x, 1.0, 1e-5, EVERY, EVERY, [])
 
 
-@pytest.mark.parametrize("variant", [v for v in RUNNABLE if fused.panel_rows_limit(v) > 0])
+@pytest.mark.parametrize("variant", variants([v for v in RUNNABLE if fused.panel_rows_limit(v) > 0]))
 def test_the_encoder_on_panels_alone_computes_no_padding(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the encoder runs in one call of the kernels, the sentences' tokens go through it end
     to end without their padding (``encoder_layers_ragged``): its memory is the padded layers'
@@ -992,6 +1004,7 @@ def test_the_encoder_on_panels_alone_computes_no_padding(variant: str, monkeypat
         kernels_module.encoder_attend_ragged(qkv[flat], torch.tensor([0, 40, 2, int(flat.sum())]), h, 1.0)
 
 
+@pytest.mark.slow
 def test_the_long_kernels_let_other_python_threads_run() -> None:
     """``panel_linear``, ``int8_linear`` and ``encoder_layers`` (and ``decoder_layers``, declared alike) let go of
     Python's lock while they compute: a Python thread beside them keeps running (the server's
@@ -1046,6 +1059,7 @@ def test_the_long_kernels_let_other_python_threads_run() -> None:
         spinner.join()
 
 
+@pytest.mark.compile
 def test_kernels_that_cannot_build_leave_the_tensor_operations(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1114,6 +1128,7 @@ def test_a_build_in_the_cache_loads_without_a_compiler_or_ninja() -> None:
     assert module == str(fused._prebuilt(variant)) and f"({variant}) loaded from" in run.stdout
 
 
+@pytest.mark.compile
 def test_ahead_of_time_builds_report_what_did_not_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """``python -m model.engine.fused --build``: a variant the compiler refuses fails the command (the
     Docker build stops there), naming it; one that builds (or is built already) passes."""

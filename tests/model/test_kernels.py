@@ -19,8 +19,10 @@ from model.engine import fused, kernels, loading
 from model.engine.features import AVX2_ONLY, AVX512_BF16, BASELINE, CpuFeatures, detected, fused_variant
 from model.engine.kernels import UnsupportedPrecision, fbgemm_ops, onednn_ops
 from model.network.linear import Linear, linear
-from tests.conftest import require
 from tests.factories import PACKED_FEATURES, assert_steps_match, packed_plan
+from tests.helpers import require
+
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("fused_kernels")]
 
 HERE = detected()
 SIMULATED = {"avx512-bf16": AVX512_BF16, "avx512-no-bf16": CpuFeatures(True, True, True, f16c=True), "avx2": AVX2_ONLY,

@@ -104,6 +104,7 @@ def test_a_local_copy_is_used_as_it_is(tmp_path: Path, data_dir: Path) -> None:
         ensure_split_files(tmp_path, ["own"], ["de", "en"])  # not Multi30k: nothing to download
 
 
+@pytest.mark.slow
 def test_the_command_downloads_into_the_folder_it_is_given(mirror: str, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "app.cli", "data", "multi30k", "--data-dir", str(tmp_path), "--base-url", mirror]
     done = subprocess.run([*cmd, "--splits", "val", "--languages", "de,en"], cwd=ROOT, capture_output=True, text=True)

@@ -57,6 +57,7 @@ def test_command_writes_a_png(tiny_checkpoint: Path, tmp_path: Path) -> None:
     assert_png(out)
 
 
+@pytest.mark.slow
 def test_module_runs_as_a_command(tiny_checkpoint: Path, tmp_path: Path) -> None:
     out = tmp_path / "encoder-words.png"
     args = ["--weights", str(tiny_checkpoint), "--text", TEXT, "--out", str(out)]

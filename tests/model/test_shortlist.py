@@ -22,8 +22,10 @@ from model.engine.translator import Translator
 from model.network.transformer import Transformer
 from model.training import shortlists
 from model.training.data import read_lines
-from tests.conftest import require
 from tests.factories import V, make_model
+from tests.helpers import require
+
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("fused_kernels")]
 
 
 def sources(n: int, seed: int, max_len: int = 12) -> list[list[int]]:

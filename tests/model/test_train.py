@@ -16,6 +16,8 @@ from model.training.config import load_train_config
 from model.training.state import average_files
 from model.training.train import Trainer, train
 
+pytestmark = pytest.mark.train
+
 TINY = """
 name = "tiny"
 [data]
