@@ -17,9 +17,7 @@ from model.network.tokenizer import Tokenizer, train_tokenizer
 from model.network.transformer import Transformer
 from model.training.data import MULTI30K_DIR, read_lines
 from tests.factories import tiny_config
-from tests.helpers import IN_CI, ROOT, SHIPPED, require
-
-__all__ = ["DATA", "IN_CI", "ROOT", "SHIPPED", "require"]  # (tests import them from tests.helpers)
+from tests.helpers import SHIPPED, require
 
 DATA = MULTI30K_DIR
 
