@@ -24,7 +24,7 @@ from model.engine.cache import CrossAttentionCache, SelfAttentionCache
 from model.network.attention import attend
 
 _ALL_VISIBLE = torch.empty(0, dtype=torch.bool)  # ``self_attend``'s mask when every row sees every cached key
-_EVERY_ROW = torch.empty(0, dtype=torch.long)  # the kernels' row maps when a step computes every row
+EVERY_ROW = torch.empty(0, dtype=torch.long)  # the kernels' row maps when a step computes every row
 
 
 def additive_mask(mask: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -214,7 +214,7 @@ class FusedOps:
         cached = self._memory_rows  # (read once: a step shared by two threads' sessions stays consistent)
         if cached is None or cached[0] is not memory_mask:
             cached = self._memory_rows = (memory_mask, memory_mask[:, 0, 0])  # (B, S) bool
-        every = _EVERY_ROW
+        every = EVERY_ROW
         return _FusedStep(
             visible, cached[1], every if rows is None else rows, every if sentences is None else sentences
         )

@@ -39,12 +39,10 @@ from model.engine.binding import (
 from model.engine.cache import KVCache
 from model.engine.encoder import EncoderPass
 from model.engine.kernels import bind
-from model.engine.layer_ops import StepShape, layer_ops
+from model.engine.layer_ops import EVERY_ROW, StepShape, layer_ops
 from model.engine.shortlist import ShortlistColumns
 from model.network.linear import uses_kernels
 from model.network.transformer import Transformer
-
-_EVERY_ROW = torch.empty(0, dtype=torch.long)  # the kernels' row maps when a step computes every row
 
 
 class DecoderStep:
@@ -194,7 +192,7 @@ class DecoderStep:
         d = x.shape[1]
         readable = columns.extra_rows.dtype in (torch.float32, torch.float16) and d % 16 == 0
         if self.fused is not None and readable and x.dtype == torch.float32 and x.is_contiguous():
-            every = _EVERY_ROW if sentences is None else sentences
+            every = EVERY_ROW if sentences is None else sentences
             own = self.fused.span_logits(x, every, columns.extra_rows, columns.spans, columns.width)
         else:  # a batched product over the sentences' own rows padded to the widest
             weights, valid = columns.padded_rows, columns.padded[1]  # (A, E, D), (A, E)
