@@ -89,7 +89,7 @@ class EncoderPass:
         assert fused is not None and self.stack is not None
         b, s = src.shape
         tokens = mask.reshape(-1).nonzero()[:, 0]  # (T,) the tokens' places in (B, S) order
-        x = self._fused_embed(src, tokens)  # (T, D)
+        x = self.ops.embed_source(src, self.model.src_embed, tokens)  # (T, D)
         lengths = mask.reshape(b, s).sum(1).tolist()
         params, eps = self.stack
         memory = x.new_zeros(b * s, x.shape[1])
@@ -108,7 +108,7 @@ class EncoderPass:
     def _encode(self, src: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """src: (B, S) ids, mask (B, 1, 1, S) -> memory (B, S, D), all sentences at once."""
         b, s = src.shape
-        x = self._embed(src)  # (B*S, D)
+        x = self.ops.embed_source(src, self.model.src_embed)  # (B*S, D)
         d = x.shape[1]
         if self.stack is not None:
             params, eps = self.stack
@@ -129,25 +129,3 @@ class EncoderPass:
             y = layer.fc2(layer.fc1(x if post else layer.ff_norm(x), True), False)
             x = ops.join(x, y, layer.ff_norm, post)
         return x
-
-    def _embed(self, src: torch.Tensor) -> torch.Tensor:
-        """src (B, S) ids -> the embedded positions (B*S, D)."""
-        if self.fused is not None:
-            return self._fused_embed(src)
-        b, s = src.shape
-        return self.model.src_embed(src).reshape(b * s, -1)
-
-    def _fused_embed(self, src: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """src (B, S) ids -> the embedded positions (B*S, D), or only those at ``tokens`` (T,)
-        (places in (B, S) order) -> (T, D), in one call of the fused kernels
-        (``Embedding.forward``'s sum: scaled token embedding plus position)."""
-        embedding = self.model.src_embed
-        s = src.shape[1]
-        if s > embedding.max_positions:
-            raise ValueError(f"sequence of {s} positions exceeds max_positions {embedding.max_positions}")
-        table = embedding.learned.weight if embedding.learned is not None else embedding.table
-        assert table is not None and self.fused is not None
-        ids, positions = (
-            (src.reshape(-1), table[:s]) if tokens is None else (src.reshape(-1)[tokens], table[tokens % s])
-        )
-        return self.fused.embed(ids, embedding.tokens.weight, positions, embedding.scale)

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 
 from model.engine.binding import Norm
 from model.engine.cache import CrossAttentionCache, SelfAttentionCache
+from model.engine.shortlist import ShortlistColumns
 from model.network.attention import attend
+from model.network.transformer import Embedding
 
 _ALL_VISIBLE = torch.empty(0, dtype=torch.bool)  # ``self_attend``'s mask when every row sees every cached key
 EVERY_ROW = torch.empty(0, dtype=torch.long)  # the kernels' row maps when a step computes every row
@@ -101,6 +103,21 @@ class LayerOps(Protocol):
         contiguous; float16 where ``half`` (a float16 KV cache)."""
         ...
 
+    # Whether a step may compute only some of the cache's rows (``DecoderStep``'s ``rows``) and
+    # keep its K/V cache in float16 (``KernelPlan.kv_dtype``): both are the fused kernels' only.
+    computes_some_rows: bool
+    caches_half: bool
+
+    def embed_source(self, src: torch.Tensor, embedding: Embedding, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """src (B, S) ids -> the embedded positions (B*S, D), ``Embedding.forward``'s sum; with
+        ``tokens`` (T,) (places in (B, S) order) only those -> (T, D)."""
+        ...
+
+    def own_logits(self, x: torch.Tensor, columns: ShortlistColumns, sentences: torch.Tensor | None) -> torch.Tensor:
+        """x (R, D) -> (R, E) each row's logits over its sentence's own shortlist columns, -inf past
+        their count; ``sentences`` (R,) each computed row's sentence, None: every row, W a sentence."""
+        ...
+
 
 @dataclass(frozen=True)
 class _TensorStep:
@@ -174,11 +191,30 @@ class TensorOps:
         return norm(x + y) if post else x + y
 
     projects_tokens_only = False
+    computes_some_rows = False
+    caches_half = False
 
     def split_kv(self, both: torch.Tensor, b: int, s: int, half: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(A float16 cache is the fused kernels' only: ``half`` is False here.)"""
         kv = both.view(b, s, 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).contiguous()
         return kv[0], kv[1]  # (B, H, S, Dh) each
+
+    def embed_source(self, src: torch.Tensor, embedding: Embedding, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        b, s = src.shape
+        x = embedding(src).reshape(b * s, -1)
+        return x if tokens is None else x.index_select(0, tokens)
+
+    def own_logits(self, x: torch.Tensor, columns: ShortlistColumns, sentences: torch.Tensor | None) -> torch.Tensor:
+        """A batched product over the sentences' own rows padded to the widest."""
+        d = x.shape[1]
+        weights, valid = columns.padded_rows, columns.padded[1]  # (A, E, D), (A, E)
+        if sentences is None:  # every row: W of each sentence, in order
+            a = weights.shape[0]
+            own = torch.bmm(x.view(a, -1, d), weights.transpose(1, 2)).masked_fill_(~valid[:, None, :], -math.inf)
+        else:  # some rows (the fused kernels' step, a width they do not take): each with its sentence's rows
+            own = torch.bmm(x[:, None, :], weights[sentences].transpose(1, 2))
+            own = own.masked_fill_(~valid[sentences][:, None, :], -math.inf)
+        return own.reshape(x.shape[0], -1)
 
 
 @dataclass(frozen=True)
@@ -237,11 +273,34 @@ class FusedOps:
         return self.kernels.add_norm_(x, y, norm.weight, norm.bias, norm.eps) if post else x + y
 
     projects_tokens_only = True
+    computes_some_rows = True
+    caches_half = True
 
     def split_kv(self, both: torch.Tensor, b: int, s: int, half: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One call instead of a view, a permute, a copy and two selects."""
         k, v = self.kernels.split_kv(both, b, self.heads, half)
         return k, v
+
+    def embed_source(self, src: torch.Tensor, embedding: Embedding, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One call, only the ``tokens`` where given."""
+        s = src.shape[1]
+        if s > embedding.max_positions:
+            raise ValueError(f"sequence of {s} positions exceeds max_positions {embedding.max_positions}")
+        table = embedding.learned.weight if embedding.learned is not None else embedding.table
+        assert table is not None
+        ids, positions = (
+            (src.reshape(-1), table[:s]) if tokens is None else (src.reshape(-1)[tokens], table[tokens % s])
+        )
+        return self.kernels.embed(ids, embedding.tokens.weight, positions, embedding.scale)
+
+    def own_logits(self, x: torch.Tensor, columns: ShortlistColumns, sentences: torch.Tensor | None) -> torch.Tensor:
+        """One call (``span_logits``) where the kernels read the rows' dtype and width; the
+        reference's batched product otherwise."""
+        readable = columns.extra_rows.dtype in (torch.float32, torch.float16) and x.shape[1] % 16 == 0
+        if not (readable and x.dtype == torch.float32 and x.is_contiguous()):
+            return TensorOps.own_logits(self, x, columns, sentences)  # type: ignore[arg-type]
+        every = EVERY_ROW if sentences is None else sentences
+        return self.kernels.span_logits(x, every, columns.extra_rows, columns.spans, columns.width)
 
 
 def layer_ops(kernels: ModuleType | None, heads: int, head_dim: int) -> LayerOps:

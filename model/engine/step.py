@@ -39,7 +39,7 @@ from model.engine.binding import (
 from model.engine.cache import KVCache
 from model.engine.encoder import EncoderPass
 from model.engine.kernels import bind
-from model.engine.layer_ops import EVERY_ROW, StepShape, layer_ops
+from model.engine.layer_ops import StepShape, layer_ops
 from model.engine.shortlist import ShortlistColumns
 from model.network.linear import uses_kernels
 from model.network.transformer import Transformer
@@ -81,7 +81,7 @@ class DecoderStep:
         self.max_positions = embed.max_positions
         self.scale_value = 1.0 / math.sqrt(self.head_dim)  # (the float the fused kernels take)
         # the K/V cache in float16 (int8 plans: kernels.KernelPlan.kv_dtype), for the fused kernels only
-        self.half_cache = self.fused is not None and model.kv_dtype == torch.float16
+        self.half_cache = self.ops.caches_half and model.kv_dtype == torch.float16
 
     def project_memory(
         self, memory: torch.Tensor, mask: torch.Tensor | None = None
@@ -160,7 +160,7 @@ class DecoderStep:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step up to the output projection -> the final hidden states (R, D) and each
         computed row's sentence (R',) where only ``rows`` are computed."""
-        if rows is not None and self.fused is None:
+        if rows is not None and not self.ops.computes_some_rows:
             raise ValueError("computing some of the rows needs the fused kernels")
         length = cache.length
         if positions is None:
@@ -189,20 +189,7 @@ class DecoderStep:
         shared = self.few_rows.product(x, columns.always_rows, columns.panels)  # (R, N)
         if columns.width == 0:
             return shared, shared.new_empty(x.shape[0], 0)
-        d = x.shape[1]
-        readable = columns.extra_rows.dtype in (torch.float32, torch.float16) and d % 16 == 0
-        if self.fused is not None and readable and x.dtype == torch.float32 and x.is_contiguous():
-            every = EVERY_ROW if sentences is None else sentences
-            own = self.fused.span_logits(x, every, columns.extra_rows, columns.spans, columns.width)
-        else:  # a batched product over the sentences' own rows padded to the widest
-            weights, valid = columns.padded_rows, columns.padded[1]  # (A, E, D), (A, E)
-            if sentences is None:  # every row: W of each sentence, in order
-                a = weights.shape[0]
-                own = torch.bmm(x.view(a, -1, d), weights.transpose(1, 2)).masked_fill_(~valid[:, None, :], -math.inf)
-            else:  # some rows (fused kernels, a width they do not take): each with its sentence's rows
-                own = torch.bmm(x[:, None, :], weights[sentences].transpose(1, 2))
-                own = own.masked_fill_(~valid[sentences][:, None, :], -math.inf)
-            own = own.reshape(x.shape[0], -1)
+        own = self.ops.own_logits(x, columns, sentences)
         return shared, own.to(shared.dtype)
 
     def _layers(self, x: torch.Tensor, step: object, cache: KVCache) -> torch.Tensor:
