@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def fused_kernels() -> None:
     """This CPU's fused decoder-step kernels (``model.engine.fused``), built once if torch's
     extension cache has none: requested by the tests that run them and by the fixtures that start
-    servers, whose readiness deadline a first build would eat (55 s on a 2-core AMD EPYC Zen 3).
+    servers, whose readiness deadline a first build would eat (about a minute on two cores).
     Servers started later, in this process or another, load the cached build."""
     if fused.enabled():
         fused.load(fused_variant(detected()))
