@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sacrebleu
 
+from model.engine import loading
 from model.engine.features import detected
-from model.training.evaluate import score_translations
+from model.engine.translator import Translator
+from model.training.data import read_lines
+from model.training.evaluate import evaluate, score_translations, translate_all
 from tests.helpers import ROOT
 
 # Lowercased BLEU of each shipped model on the first 100 sentences of test_2016 (greedy, then beam 5
@@ -61,23 +66,27 @@ def test_every_served_direction_has_a_floor() -> None:
     assert served | single == set(FIRST_100)
 
 
+@functools.cache
+def _translator(folder: str, target: str) -> tuple[Translator, dict[str, Any]]:
+    """A shipped folder loaded once for every direction and beam it is scored at, as the evaluate
+    command loads it (the card's shortlist, a many-to-many model's target tag); its command line
+    is tested below, where one subprocess a test costs less."""
+    ckpt = loading.load(ROOT / "weights" / folder)
+    translator = Translator(ckpt.model, ckpt.tokenizer, ckpt.source_prefix(target), loading.use_shortlist(ckpt))
+    return translator, ckpt.meta
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("fused_kernels")
 @pytest.mark.parametrize("beam", [1, 5])
 @pytest.mark.parametrize(("folder", "direction"), sorted(FIRST_100))
 def test_shipped_weights_score_above_the_floor(folder: str, direction: str, data_dir: Path, beam: int) -> None:
     source, target = direction.split("-")
-    cmd = [sys.executable, "-m", "model.training.evaluate", "--weights", str(ROOT / "weights" / folder)]
-    cmd += ["--limit", "100"]
-    cmd += ["--direction", direction, "--src", str(data_dir / f"test_2016_flickr.{source}.gz")]
-    cmd += ["--ref", str(data_dir / f"test_2016_flickr.{target}.gz")]
-    cmd += ["--beam-size", str(beam), "--threads", "2"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    assert len(lines) == 1, proc.stdout  # exactly one JSON line
-    result = json.loads(lines[0])
-    assert set(result) >= {"bleu", "bleu_lc", "chrf", "sentences", "seconds"}
-    assert result["sentences"] == 100 and result["seconds"] > 0
+    translator, meta = _translator(folder, target)
+    src = read_lines(data_dir / f"test_2016_flickr.{source}.gz")[:100]
+    ref = read_lines(data_dir / f"test_2016_flickr.{target}.gz")[:100]
+    result = evaluate(translator, src, ref, loading.decoding_options(meta, beam, direction=direction))
+    assert result["sentences"] == 100 and result["beam_size"] == beam
     assert result["bleu_lc"] >= FIRST_100[folder, direction][beam > 1] - ALLOWED_DROP, result
     assert result["bleu"] <= result["bleu_lc"] and result["chrf"] > 40
 
@@ -106,10 +115,6 @@ def test_int8_scores_within_0_3_bleu_of_float32(shipped: Path, data_dir: Path) -
 def test_then_scores_a_pivot_through_the_first_checkpoints_output(data_dir: Path) -> None:
     """--then: de-en's output is en-fr's input; the score is that of chaining the two translators,
     each with its own card's settings, against the French references."""
-    from model.engine import loading
-    from model.engine.translator import Translator
-    from model.training.data import read_lines
-    from model.training.evaluate import translate_all
 
     cmd = [sys.executable, "-m", "model.training.evaluate", "--weights", str(ROOT / "weights/de-en")]
     cmd += ["--then", str(ROOT / "weights/en-fr"), "--split", "test_2016_flickr", "--data-dir", str(data_dir)]
@@ -134,11 +139,6 @@ def test_length_penalty_and_hypotheses_options(tmp_path: Path, data_dir: Path) -
     """--length-penalty replaces the card's alpha; --hypotheses keeps the scored translations,
     which are those of the same decoding in process and score as printed."""
     import dataclasses
-
-    from model.engine import loading
-    from model.engine.translator import Translator
-    from model.training.data import read_lines
-    from model.training.evaluate import translate_all
 
     ckpt = loading.load(ROOT / "weights/de-en")
     src = read_lines(data_dir / "val.de.gz")[:12]
