@@ -42,13 +42,17 @@ RUN "$VIRTUAL_ENV/bin/pip" install ".[plot]" \
 # The fused decoder-step kernels (model/engine/fused.py) compiled here, every x86 variant (AVX-512 VNNI, AVX-512, AVX2,
 # baseline: the runtime picks by the CPU's features), into the venv, so the runtime needs no
 # compiler: without them float32 decodes on tensor operations instead of the packed panels.
-# (-P: the installed package, not the source tree in this folder.)
+# (-P: the installed package, not the source tree in this folder.) FUSED_VARIANTS names fewer, e.g.
+# for an image that only ever runs on one kind of CPU.
+ARG FUSED_VARIANTS=""
 # hadolint ignore=DL3008
 RUN command -v g++ >/dev/null || { apt-get update \
         && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
         && rm -rf /var/lib/apt/lists/*; }
+# (unquoted on purpose: one argument a variant)
+# hadolint ignore=SC2086
 RUN case "$(uname -m)" in \
-        x86_64) TORCH_EXTENSIONS_DIR="$VIRTUAL_ENV/kernels" "$VIRTUAL_ENV/bin/python" -P -m model.engine.fused --build ;; \
+        x86_64) TORCH_EXTENSIONS_DIR="$VIRTUAL_ENV/kernels" "$VIRTUAL_ENV/bin/python" -P -m model.engine.fused --build $FUSED_VARIANTS ;; \
         *) echo "no fused-kernel variants for $(uname -m): the image decodes on tensor operations" ;; \
     esac
 
