@@ -381,7 +381,7 @@ def _until_eos(row: list[int], eos_id: int) -> list[int]:
 
 def _setup_ctranslate2(int8: bool) -> Callable[[Settings, Path], Translate]:
     def setup(settings: Settings, workdir: Path) -> Translate:  # the converter reads float32 CPU weights
-        ckpt = loading.load(settings.weights, "cpu", keep_float_weights=True)
+        ckpt = loading.load(settings.weights, "cpu", keep_float_weights=True, fused=False)
         return setup_ctranslate2(ckpt, settings, workdir / "ctranslate2", int8)
 
     return setup
@@ -390,7 +390,8 @@ def _setup_ctranslate2(int8: bool) -> Callable[[Settings, Path], Translate]:
 def _setup_marian(settings: Settings, workdir: Path) -> Translate:
     if settings.dtype not in kernels.FLOAT_DTYPES:
         raise ValueError(f"marian runs float dtypes only, not {settings.dtype}")
-    return setup_marian(loading.load(settings.weights, "cpu", keep_float_weights=True), settings)
+    # (the converter reads the float weights: no fused kernels to build, which a GPU machine would do first)
+    return setup_marian(loading.load(settings.weights, "cpu", keep_float_weights=True, fused=False), settings)
 
 
 def _ours(settings: Settings) -> Checkpoint:

@@ -209,7 +209,9 @@ class Beams:
             tok = vocab.gather(1, tok.view(a, w * k)).view(a * w, k)
         candidates = logp.view(a, w, k) + self.scores[:, :w, None]  # raw log P, (A, W, K)
         tok = tok.view(a, w, k)
-        any_finished = bool(self.finished[:, :w].any())
+        # reading the flags back costs a device sync every step on a GPU, where the general path
+        # (the same results when nothing is finished) runs instead
+        any_finished = logits.device.type != "cpu" or bool(self.finished[:, :w].any())
         if any_finished:
             scale = length_penalty(step + 1, alpha)[:, None]  # (A, 1)
             done = (self.scores[:, :w] / length_penalty(self.length[:, :w], alpha) * scale)[..., None]
@@ -252,7 +254,8 @@ class Beams:
         ``advance`` (and ``truncate`` since) said, without reading the device, else from ``finished``."""
         if self.done is not None:
             return self.done
-        return self.finished.all(dim=1).nonzero()[:, 0].tolist()
+        done = self.finished.all(dim=1).tolist()  # one read from the device (``nonzero`` would take two)
+        return [i for i, flag in enumerate(done) if flag]
 
     def hypotheses(self, sentences: list[int], n_best: int, alpha: float) -> list[list[Hypothesis]]:
         """The n best of each of these active sentences (already sorted by normalized score),

@@ -35,6 +35,12 @@ def additive_mask(mask: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.T
     None when nothing is blocked."""
     if bool(mask.all()):
         return None
+    return mask_bias(mask, heads, dtype)
+
+
+def mask_bias(mask: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """``additive_mask`` for a mask known to block something: without reading it back (a device
+    sync on a GPU)."""
     b, k = mask.shape[0], mask.shape[-1]
     bias = torch.zeros(b, 1, 1, k, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
     return bias.expand(b, heads, 1, k).reshape(b * heads, 1, k)
@@ -155,7 +161,8 @@ class TensorOps:
     ) -> _TensorStep:
         if rows is not None:
             raise ValueError("computing some of the rows needs the fused kernels")
-        self_bias = None if self_mask is None else additive_mask(self_mask, shape.heads, dtype)
+        # a late joiner's mask always hides keys (``DecodeSession._mask_late_joiners``)
+        self_bias = None if self_mask is None else mask_bias(self_mask, shape.heads, dtype)
         cached = self._memory  # (read once: a step shared by two threads' sessions stays consistent)
         if cached is None or cached[0] is not memory_mask:
             # made again only when the mask is another tensor (a session replaces it when sentences join or leave)

@@ -144,6 +144,9 @@ def use_shortlist(ckpt: Checkpoint, wanted: bool = True) -> Shortlist | None:
     if not wanted or ckpt.plan.precision == "int8":
         return None
     found = load_shortlist(ckpt.path, ckpt.config.tgt_vocab_size)
+    device = ckpt.model.tgt_embed.tokens.weight.device
+    if found is not None and device.type != "cpu":  # beside the model: a session reads it with the sources
+        found = found.to(device)
     if found is not None:
         released = shortlist_output(ckpt.model)
         if released:

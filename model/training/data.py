@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +15,10 @@ import torch
 from model.engine.batches import pad, token_batches
 
 # Multi30k task 1 (``{split}.{lang}.gz``): by default the workplace's shared copy beside this
-# repository (never committed into it). Every command's --data-dir and the tests default here.
-MULTI30K_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "multi30k"
+# repository (never committed into it), or the folder the environment's MULTI30K_DIR names (a
+# machine without that copy: a lent GPU, docs/gpu.md). Every command's --data-dir and the tests default here.
+SHARED_MULTI30K = Path(__file__).resolve().parents[3] / "shared" / "data" / "multi30k"
+MULTI30K_DIR = Path(os.environ.get("MULTI30K_DIR") or SHARED_MULTI30K)
 
 log = logging.getLogger(__name__)
 
