@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import zipfile
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -48,10 +49,15 @@ MAX_PAGES = 500  # a PDF's pages, a presentation's slides, a book's chapters
 XML_SUFFIXES = (".xml", ".rels", ".xhtml", ".html", ".htm", ".opf", ".ncx", ".svg")
 
 
+# What zipfile raises for a damaged archive (its directory, an entry's header, data or CRC, a
+# version or method it does not know).
+ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError, ValueError, OSError)
+
+
 def open_zip(data: bytes, suffix: str) -> zipfile.ZipFile:
     try:
         return zipfile.ZipFile(io.BytesIO(data))
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+    except ZIP_ERRORS:
         raise DocumentError("invalid_file_content", f"a {suffix} file must be a zip archive; this one is not") from None
 
 
@@ -86,11 +92,23 @@ def check_zip(data: bytes, limits: ZipLimits, suffix: str = ".docx", required: I
 DOCX_PARTS = ("[Content_Types].xml", "word/document.xml")
 
 
-def check_mimetype(archive: zipfile.ZipFile, expected: str, suffix: str) -> None:
-    """An OpenDocument or EPUB package names its type in its ``mimetype`` entry (checked: its
-    size first, so nothing large is read)."""
-    info = archive.getinfo("mimetype")
-    found = archive.read(info).decode("ascii", "replace").strip() if info.file_size <= 200 else "?"
+Entries = dict[str, tuple[zipfile.ZipInfo, bytes]]
+
+
+def unpack(data: bytes, suffix: str) -> Entries:
+    """Every entry of a checked archive (``check_zip``: the sizes are bounded), read once: a
+    damaged one (its CRC, its compressed data, its header) is refused here, not when the
+    translation is written."""
+    try:
+        with open_zip(data, suffix) as archive:
+            return {info.filename: (info, archive.read(info)) for info in archive.infolist()}
+    except ZIP_ERRORS as err:
+        raise DocumentError("invalid_file_content", f"a damaged {suffix} archive: {err}") from None
+
+
+def check_mimetype(entries: Entries, expected: str, suffix: str) -> None:
+    """An OpenDocument or EPUB package names its type in its ``mimetype`` entry."""
+    found = entries["mimetype"][1][:200].decode("ascii", "replace").strip()
     if found != expected:
         raise DocumentError("invalid_file_content", f"not a {suffix} file: its mimetype is {found[:80]!r}")
 
@@ -133,18 +151,17 @@ def xml_bytes(root: etree._Element) -> bytes:
     return etree.tostring(root.getroottree(), xml_declaration=True, encoding="UTF-8", standalone=None)
 
 
-def rewrite_zip(archive: zipfile.ZipFile, replaced: Mapping[str, bytes], first: str | None = None) -> bytes:
+def rewrite_zip(entries: Entries, replaced: Mapping[str, bytes], first: str | None = None) -> bytes:
     """The archive with the ``replaced`` entries' content, every other entry copied as it was,
     in their order; ``first`` (an OpenDocument or EPUB ``mimetype``) first and stored."""
     out = io.BytesIO()
-    infos = archive.infolist()
+    names = list(entries)
     if first is not None:
-        infos = sorted(infos, key=lambda info: info.filename != first)
+        names.sort(key=lambda name: name != first)
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as written:
-        for info in infos:
-            data = replaced.get(info.filename)
-            if data is None:
-                data = archive.read(info)
+        for name in names:
+            info, data = entries[name]
+            data = replaced.get(name, data)
             copied = zipfile.ZipInfo(info.filename, date_time=info.date_time)
             copied.external_attr = info.external_attr
             stored = info.filename == first or info.compress_type == zipfile.ZIP_STORED

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -30,14 +29,15 @@ from lxml import etree
 from app.formats.archives import (
     MAX_PAGES,
     DocumentError,
+    Entries,
     Format,
     ZipLimits,
     append_text,
     check_mimetype,
     check_zip,
-    open_zip,
     parse_xml,
     rewrite_zip,
+    unpack,
     xml_bytes,
 )
 from app.formats.markup import Block, Engine, Run, has_words, plain, translate_blocks
@@ -119,7 +119,7 @@ def _visible(p: etree._Element, within: frozenset[str] | None) -> bool:
 @dataclass
 class OpenDocument:
     format: Format
-    archive: zipfile.ZipFile
+    entries: Entries
     parts: dict[str, etree._Element]  # entry name -> its tree (the ones with paragraphs)
     paragraphs: list[tuple[etree._Element, Block]]
     table: _Table
@@ -127,11 +127,10 @@ class OpenDocument:
     @classmethod
     def parse(cls, data: bytes, fmt: Format, limits: ZipLimits, max_pages: int = MAX_PAGES) -> OpenDocument:
         check_zip(data, limits, fmt.suffix, ("mimetype", "content.xml"))
-        archive = open_zip(data, fmt.suffix)
-        check_mimetype(archive, MIMETYPES[fmt.suffix], fmt.suffix)
-        names = set(archive.namelist())
+        entries = unpack(data, fmt.suffix)
+        check_mimetype(entries, MIMETYPES[fmt.suffix], fmt.suffix)
         parts: dict[str, etree._Element] = {
-            name: parse_xml(archive.read(name), name) for name in ("content.xml", "styles.xml") if name in names
+            name: parse_xml(entries[name][1], name) for name in ("content.xml", "styles.xml") if name in entries
         }
         content = parts["content.xml"]
         if content.tag != OFFICE + "document-content":
@@ -148,7 +147,7 @@ class OpenDocument:
                     block = tuple(table.runs(p, ()))
                     if has_words(block):
                         found.append((p, block))
-        return cls(fmt, archive, parts, found, table)
+        return cls(fmt, entries, parts, found, table)
 
     @property
     def texts(self) -> Sequence[str]:
@@ -162,4 +161,4 @@ class OpenDocument:
         for (p, _), block in zip(self.paragraphs, blocks, strict=True):
             self.table.rebuild(p, block)
         replaced = {name: xml_bytes(root) for name, root in self.parts.items()}
-        return rewrite_zip(self.archive, replaced, first="mimetype")
+        return rewrite_zip(self.entries, replaced, first="mimetype")

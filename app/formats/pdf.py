@@ -207,40 +207,105 @@ def _blocks(data: bytes) -> list[Block]:
                 stack.extend(item)
         boxes.sort(key=lambda box: (-box.y1, box.x0))
         for box in boxes:
-            lines = [line for line in box if any(isinstance(c, LTChar) for c in line)]
-            chars = [c for line in lines for c in line if isinstance(c, LTChar) and c.get_text().strip()]
-            if not chars:
-                continue
-            text = _joined([line.get_text() for line in lines])
-            if not text:
-                continue
-            baselines = [next(c for c in line if isinstance(c, LTChar)).matrix[5] for line in lines]
-            steps = [a - b for a, b in itertools.pairwise(baselines) if a - b > 0]
-            size = statistics.median(c.size for c in chars)
-            found.append(
-                Block(
-                    page=number,
-                    x0=box.x0,
-                    y0=box.y0,
-                    x1=box.x1,
-                    y1=box.y1,
-                    baseline=baselines[0],
-                    text=text,
-                    size=size,
-                    leading=statistics.median(steps) if steps else size * 1.2,
-                    lines=len(lines),
-                    bold=_most(chars, lambda c: _style(c.fontname, ("bold", "black", "heavy", "semibold"))),
-                    italic=_most(chars, lambda c: _style(c.fontname, ("italic", "oblique"))),
-                    color=_color(chars[0]),
-                )
-            )
+            lines = [_Line.of(line) for line in box]
+            for paragraph in _paragraphs([line for line in lines if line is not None], box.x1):
+                found.append(_block(number, paragraph, box.x1))
     return found
+
+
+@dataclass(frozen=True)
+class _Line:
+    """A line of a pdfminer text box: its text, characters, left and right edges, baseline."""
+
+    text: str
+    chars: tuple[Any, ...]
+    x0: float
+    x1: float
+    y0: float
+    y1: float
+    baseline: float
+    size: float
+    bold: bool
+
+    @classmethod
+    def of(cls, line: Any) -> _Line | None:
+        chars = tuple(c for c in line if isinstance(c, LTChar) and c.get_text().strip())
+        if not chars or not hasattr(line, "get_text"):
+            return None
+        return cls(
+            text=line.get_text(),
+            chars=chars,
+            x0=line.x0,
+            x1=line.x1,
+            y0=line.y0,
+            y1=line.y1,
+            baseline=chars[0].matrix[5],
+            size=statistics.median(c.size for c in chars),
+            bold=_most(chars, lambda c: _style(c.fontname, BOLD)),
+        )
+
+
+BOLD = ("bold", "black", "heavy", "semibold")
+ITALIC = ("italic", "oblique")
+ENDS = tuple(".!?:;\"'»«”“)")
+BULLETS = tuple("•‣◦▪–-*·")
+
+
+def _paragraphs(lines: Sequence[_Line], right: float) -> list[list[_Line]]:
+    """A pdfminer box's lines as paragraphs: pdfminer groups lines that are close, which in a
+    page without paragraph spacing is every line of a column. A line starts a paragraph where
+    its size or weight changes, where the gap above it is wider than the box's line pitch,
+    where it is indented past the line above or starts with a bullet, or where the line above
+    ended a sentence well short of the column's right edge."""
+    if not lines:
+        return []
+    steps = [a.baseline - b.baseline for a, b in itertools.pairwise(lines) if a.baseline - b.baseline > 0.5 * b.size]
+    pitch = min(steps) if steps else None
+    left = min(line.x0 for line in lines)
+    out = [[lines[0]]]
+    for above, line in itertools.pairwise(lines):
+        first = line.text.lstrip()[:1]
+        starts = (
+            abs(line.size - above.size) > 0.15 * above.size
+            or line.bold != above.bold
+            or (pitch is not None and above.baseline - line.baseline > 1.3 * pitch)
+            or line.x0 > above.x0 + 0.8 * line.size
+            or first in BULLETS
+            or unicodedata.category(first or " ") == "Co"
+            or (above.text.rstrip().endswith(ENDS) and above.x1 < right - 0.15 * (right - left))
+        )
+        if starts:
+            out.append([line])
+        else:
+            out[-1].append(line)
+    return out
+
+
+def _block(page: int, lines: Sequence[_Line], right: float) -> Block:
+    chars = [c for line in lines for c in line.chars]
+    steps = [a.baseline - b.baseline for a, b in itertools.pairwise(lines) if a.baseline > b.baseline]
+    size = statistics.median(c.size for c in chars)
+    return Block(
+        page=page,
+        x0=min(line.x0 for line in lines),
+        y0=min(line.y0 for line in lines),
+        x1=max(right, *(line.x1 for line in lines)),
+        y1=max(line.y1 for line in lines),
+        baseline=lines[0].baseline,
+        text=_joined([line.text for line in lines]),
+        size=size,
+        leading=statistics.median(steps) if steps else size * 1.2,
+        lines=len(lines),
+        bold=_most(chars, lambda c: _style(c.fontname, BOLD)),
+        italic=_most(chars, lambda c: _style(c.fontname, ITALIC)),
+        color=_color(chars[0]),
+    )
 
 
 def _joined(lines: Sequence[str]) -> str:
     """A block's lines as one text: a word hyphenated at a line's end joined again."""
     out = ""
-    for line in (" ".join(line.translate(_LIGATURES).split()) for line in lines):
+    for line in (" ".join(_readable(line).split()) for line in lines):
         if not line:
             continue
         if out.endswith("-") and len(out) > 1 and out[-2].isalpha() and line[:1].islower():
@@ -248,6 +313,12 @@ def _joined(lines: Sequence[str]) -> str:
         else:
             out = f"{out} {line}" if out else line
     return out
+
+
+def _readable(text: str) -> str:
+    """Ligatures as their letters; a private-use character (a symbol font's bullet) as a bullet."""
+    text = text.translate(_LIGATURES)
+    return "".join("•" if unicodedata.category(c) == "Co" else c for c in text)
 
 
 def _style(fontname: str, words: Sequence[str]) -> bool:
@@ -317,10 +388,23 @@ def _wrapped(text: str, font: str, size: float, width: float) -> list[str]:
     return lines
 
 
-def _fitted(block: Block, text: str, font: str) -> tuple[float, float, list[str]]:
-    """(size, leading, lines): the block's, shrunk until the text fits its width and height."""
+def _right_edge(block: Block, others: Sequence[Block], page_width: float) -> float:
+    """How far right a block's translation may run: to the nearest block beside it on its
+    lines, else to the page's right margin (as wide as its left one, the leftmost block's)."""
+    margin = min((o.x0 for o in others), default=block.x0)
+    edge = max(page_width - margin, block.x1)
+    for other in others:
+        beside = other.y0 < block.y1 and other.y1 > block.y0 and other.x0 >= block.x1 - 1
+        if beside:
+            edge = min(edge, max(other.x0 - 0.5 * block.size, block.x1))
+    return edge
+
+
+def _fitted(block: Block, text: str, font: str, right: float) -> tuple[float, float, list[str]]:
+    """(size, leading, lines): the block's, shrunk until the text fits between its left edge and
+    ``right`` and within its height."""
     size, leading = block.size, block.leading
-    width = max(block.x1 - block.x0, size) * 1.02
+    width = max(right - block.x0, size) * 1.02
     room = max(block.y1 - block.y0, size) + 0.3 * size  # (a descender's worth of slack)
     while True:
         lines = _wrapped(text, font, size, width)
@@ -341,9 +425,11 @@ def _write(reader: Any, blocks: Sequence[Block], texts: Sequence[str]) -> bytes:
         _strip_text(page, writer)
         box = page.mediabox
         drawing.setPageSize((float(box.width), float(box.height)))
+        here = [block for block, _ in on_page.get(number, [])]
         for block, text in on_page.get(number, []):
             font = _font(block.bold, block.italic)
-            size, leading, lines = _fitted(block, text, font)
+            right = _right_edge(block, here, float(box.width))
+            size, leading, lines = _fitted(block, text, font, right)
             drawing.setFillColorRGB(*block.color)
             drawing.setFont(font, size)
             for n, line in enumerate(lines):

@@ -12,13 +12,15 @@ module. Under CI=true a missing program fails (``tests.helpers.require``)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import io
+import random
 import shutil
 import subprocess
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ from reportlab.pdfgen import canvas
 
 from app.formats import documents
 from app.formats.archives import DocumentError, ZipLimits
+from app.formats.markup import Aligned
 from app.formats.pdf import check_pdf
 from tests.helpers import require, running_server
 
@@ -596,3 +599,47 @@ def test_pdf_streams_are_limited_like_zip_entries() -> None:
     with pytest.raises(DocumentError, match="inflate to over"):
         check_pdf(bomb, ZipLimits(total_bytes=16 * 2**20))
     check_pdf(bomb, ZipLimits(ratio=10**6))
+
+
+class Upper:
+    """A stand-in translator (``app.formats.markup.Engine``): each text in capitals."""
+
+    async def texts(self, texts: Sequence[str]) -> list[str]:
+        return [t.upper() for t in texts]
+
+    async def aligned(self, sentences: Sequence[str]) -> list[Aligned | None]:
+        return [None for _ in sentences]
+
+
+def mutated(data: bytes, rng: random.Random) -> bytes:
+    """``data`` cut short, with bytes overwritten, or (a zip) with one XML part garbled."""
+    kind = rng.randrange(3)
+    if kind == 0:
+        return data[: rng.randrange(len(data))]
+    if kind == 1 or not data.startswith(b"PK"):
+        flipped = bytearray(data)
+        for _ in range(rng.randrange(1, 20)):
+            flipped[rng.randrange(len(flipped))] = rng.randrange(256)
+        return bytes(flipped)
+    parts = entries(data)
+    name = rng.choice([n for n in parts if n.endswith((".xml", ".xhtml", ".opf", ".ncx"))])
+    xml = bytearray(parts[name])
+    for _ in range(rng.randrange(1, 10)):
+        at = rng.randrange(len(xml))
+        xml[at : at + rng.randrange(1, 30)] = bytes(rng.choice(b'<>/&"= abc:') for _ in range(rng.randrange(5)))
+    return changed(data, {name: bytes(xml)})
+
+
+def test_damaged_files_are_refused_as_documents_never_crash(originals: dict[str, bytes]) -> None:
+    """60 damaged copies of the files (seeded): each is refused with a ``DocumentError`` (the
+    route's 400), or read and written back; never another exception (a 500)."""
+    rng = random.Random(73)
+    refused = 0
+    for _ in range(60):
+        name = rng.choice(list(originals))
+        data = mutated(originals[name], rng)
+        try:
+            asyncio.run(documents.parse(name, data).translate(Upper()))
+        except DocumentError:
+            refused += 1
+    assert refused >= 30
