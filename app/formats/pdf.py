@@ -10,13 +10,16 @@ in blocks where it stands, each block translated and written back at its place.
   pdfminer.six (MIT) lays out each page's characters into text blocks (``LTTextBox``: its lines,
   their baselines, each character's font, size and colour), the page's rotation aside so the
   blocks are in the page's own coordinates.
-- A block is one text to the translator (its lines joined, a word hyphenated across a line
-  break joined again); a block without letters (a page number) is written back as it was.
+- A block is a paragraph (``_paragraphs``: pdfminer's boxes split where a line's size or weight
+  changes, where the gap above it is wider than the box's line pitch, at an indented or
+  bulleted line, after a line that ends a sentence short of the right edge), one text to the
+  translator (its lines joined, a word hyphenated across a line break joined again); a block
+  without letters (a page number) is written back as it was.
 - Writing: the text-showing operators (``Tj``, ``TJ``, ``'``, ``"``) are taken out of every
   page's content and the forms it draws (everything else, the text state and colours
   included, stays), and each block's translation is drawn by ReportLab (BSD) on a layer merged
-  onto its page by pypdf: from the block's first baseline and left edge, wrapped to its width,
-  at its font size and line pitch (smaller, down to a floor, where the translation would
+  onto its page by pypdf: from the block's first baseline and left edge, wrapped at the block
+  beside it or the page's right margin, at its font size and line pitch (smaller, down to a floor, where the translation would
   not fit the block's height), in its colour, bold and italic as most of its characters were.
   The font is DejaVu Sans where the system has it (Debian's fonts-dejavu-core), else
   ReportLab's bundled Bitstream Vera Sans; both are embedded (subset) in the result.
