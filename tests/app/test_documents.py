@@ -479,8 +479,7 @@ def test_pdf_pages_blocks_and_drawings_in_pdfium(originals: dict[str, bytes], tr
 @pytest.mark.external
 def test_nothing_of_an_upload_is_written_under_its_name(served: str, originals: dict[str, bytes]) -> None:
     name = "Zz-Eindeutiger-Name-73"
-    for suffix, data in ((".pdf", originals["seiten.pdf"]), (".odt", originals["brief.odt"])):
-        assert upload(served, name + suffix, data).status_code == 200
+    assert upload(served, name + ".pdf", originals["seiten.pdf"]).status_code == 200
     for root in {Path(tempfile.gettempdir()), Path.cwd(), Path.home()}:
         found = (
             [p for p in root.glob(f"**/{name}*") if p.exists()] if root != Path.home() else list(root.glob(f"{name}*"))
