@@ -1,2 +1,2 @@
-"""Text formats: sentence segmentation, inline markup, HTML, .docx runs and documents. No I/O:
-bytes or strings in, the same structure out."""
+"""Text formats: sentence segmentation, inline markup, HTML, .docx runs, OpenDocument, .pptx, .epub,
+.pdf and the documents of /translate_file. No I/O: bytes or strings in, the same structure out."""

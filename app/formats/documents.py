@@ -11,6 +11,14 @@ same structure. No I/O: bytes in, bytes out; the translator is an ``app.formats.
   compression ratio), then python-docx; every paragraph of the body (tables, text boxes),
   the headers and the footers is a block of runs (``app.formats.wordruns``: the runs' formatting,
   hyperlinks, breaks, images and fields kept), all translated together.
+- ``.odt``, ``.odp``: ``app.formats.opendocument`` (paragraphs and their spans, slides, notes).
+- ``.pptx``: ``app.formats.slides`` (python-pptx: each slide's shapes and its notes).
+- ``.epub``: ``app.formats.epub`` (chapters as XHTML, the table of contents, the title).
+- ``.pdf``: ``app.formats.pdf`` (each page's text blocks, translated where they stand).
+
+Every container (.docx, .odt, .odp, .pptx, .epub) is checked before it is opened
+(``archives.check_zip``), a PDF's streams before it is parsed (``pdf.check_pdf``); pages,
+slides and chapters are counted against ``MAX_PAGES``.
 """
 
 from __future__ import annotations
@@ -18,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,25 +37,28 @@ from docx.opc.constants import CONTENT_TYPE as CT
 from docx.opc.part import XmlPart
 
 from app.formats import html
+from app.formats.archives import MAX_PAGES, DocumentError, Format, ZipLimits, check_zip
+from app.formats.epub import Book
 from app.formats.markup import Block, Engine, has_text, translate_blocks
+from app.formats.opendocument import OpenDocument
+from app.formats.pdf import PdfDocument
 from app.formats.segmentation import segment, sentences
+from app.formats.slides import Presentation
 from app.formats.wordruns import Paragraph, RunTable, W
 
+__all__ = [
+    "FORMATS",
+    "MAX_PAGES",
+    "Document",
+    "DocumentError",
+    "Format",
+    "ZipLimits",
+    "check_zip",
+    "format_of",
+    "parse",
+]
+
 log = logging.getLogger(__name__)
-
-
-class DocumentError(ValueError):
-    """A file this service does not take: ``error_type`` says why (the HTTP edge answers 400)."""
-
-    def __init__(self, error_type: str, message: str) -> None:
-        super().__init__(message)
-        self.error_type = error_type
-
-
-@dataclass(frozen=True)
-class Format:
-    suffix: str
-    media_type: str
 
 
 FORMATS = {
@@ -57,19 +67,12 @@ FORMATS = {
     ".htm": Format(".htm", "text/html; charset=utf-8"),
     ".srt": Format(".srt", "application/x-subrip; charset=utf-8"),
     ".docx": Format(".docx", "application/vnd.openxmlformats-officedocument.wordprocessingml.document"),
+    ".odt": Format(".odt", "application/vnd.oasis.opendocument.text"),
+    ".odp": Format(".odp", "application/vnd.oasis.opendocument.presentation"),
+    ".pptx": Format(".pptx", "application/vnd.openxmlformats-officedocument.presentationml.presentation"),
+    ".epub": Format(".epub", "application/epub+zip"),
+    ".pdf": Format(".pdf", "application/pdf"),
 }
-
-
-@dataclass(frozen=True)
-class ZipLimits:
-    """What a .docx may unpack to. ``zipfile`` stops reading an entry at its declared size, so
-    the declared sizes checked here bound what python-docx can inflate."""
-
-    entries: int = 2000
-    total_bytes: int = 64 * 2**20
-    xml_bytes: int = 16 * 2**20  # what python-docx parses into trees (a tree takes several times its text)
-    ratio: float = 100.0  # uncompressed / compressed, for an entry over ``ratio_from`` bytes
-    ratio_from: int = 2**20
 
 
 class Document(Protocol):
@@ -97,11 +100,21 @@ def format_of(filename: str) -> Format:
     return found
 
 
-def parse(filename: str, data: bytes, zip_limits: ZipLimits | None = None) -> Document:
-    """The file as a document of the format its name says, its content checked against it."""
+def parse(filename: str, data: bytes, zip_limits: ZipLimits | None = None, max_pages: int = MAX_PAGES) -> Document:
+    """The file as a document of the format its name says, its content checked against it
+    (containers within ``zip_limits``, at most ``max_pages`` pages, slides or chapters)."""
     fmt = format_of(filename)
+    limits = zip_limits or ZipLimits()
     if fmt.suffix == ".docx":
-        return WordDocument.parse(data, zip_limits or ZipLimits())
+        return WordDocument.parse(data, limits)
+    if fmt.suffix in (".odt", ".odp"):
+        return OpenDocument.parse(data, fmt, limits, max_pages)
+    if fmt.suffix == ".pptx":
+        return Presentation.parse(data, fmt, limits, max_pages)
+    if fmt.suffix == ".epub":
+        return Book.parse(data, fmt, limits, max_pages)
+    if fmt.suffix == ".pdf":
+        return PdfDocument.parse(data, fmt, limits, max_pages)
     text, bom = decode(data, fmt.suffix)
     if fmt.suffix == ".srt":
         return SubtitleDocument.parse(text, bom)
@@ -221,37 +234,6 @@ def wrap(text: str, lines: int) -> list[str]:
 
 # --- .docx --------------------------------------------------------------------------------
 PARTS = frozenset([CT.WML_DOCUMENT_MAIN, CT.WML_HEADER, CT.WML_FOOTER])  # where paragraphs are translated
-REQUIRED = ("[Content_Types].xml", "word/document.xml")
-
-
-def check_zip(data: bytes, limits: ZipLimits) -> None:
-    """A .docx is a zip holding ``REQUIRED``, within ``limits`` (a zip bomb is refused here,
-    from the central directory, before anything is inflated)."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            entries = archive.infolist()
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError):
-        raise DocumentError("invalid_file_content", "a .docx file must be a zip archive; this one is not") from None
-    if len(entries) > limits.entries:
-        raise DocumentError("unsafe_file", f"{len(entries)} entries in the archive; at most {limits.entries}")
-    total = sum(e.file_size for e in entries)
-    if total > limits.total_bytes:
-        raise DocumentError("unsafe_file", f"the archive unpacks to {total} bytes; at most {limits.total_bytes}")
-    xml = sum(e.file_size for e in entries if e.filename.endswith((".xml", ".rels")))
-    if xml > limits.xml_bytes:
-        raise DocumentError("unsafe_file", f"the archive holds {xml} bytes of XML; at most {limits.xml_bytes}")
-    for e in entries:
-        if e.file_size > limits.ratio_from and e.file_size > limits.ratio * max(e.compress_size, 1):
-            raise DocumentError(
-                "unsafe_file",
-                f"an entry is compressed {e.file_size // max(e.compress_size, 1)}:1; at most {limits.ratio:g}:1",
-            )
-    if any(e.flag_bits & 0x1 for e in entries):
-        raise DocumentError("invalid_file_content", "the archive is encrypted")
-    names = {e.filename for e in entries}
-    missing = [n for n in REQUIRED if n not in names]
-    if missing:
-        raise DocumentError("invalid_file_content", f"not a .docx file: the archive has no {', '.join(missing)}")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from copy import deepcopy
 from dataclasses import dataclass, field
 
 import lxml.html
@@ -64,7 +65,10 @@ class _Page:
 
 
 def _tag(el: etree._Element) -> str:
-    return el.tag.lower() if isinstance(el.tag, str) else ""
+    """An element's name in lower case; an XHTML element's (an EPUB's) without its namespace."""
+    if not isinstance(el.tag, str):
+        return ""
+    return (el.tag.rsplit("}", 1)[-1] if el.tag.startswith("{") else el.tag).lower()
 
 
 def _translatable(el: etree._Element, inherited: bool) -> bool:
@@ -204,8 +208,15 @@ async def translate_html(texts: Sequence[str], engine: Engine) -> list[str]:
     """Each HTML text translated with its markup kept (module docstring); all texts' sentences
     and attributes go to the engine together."""
     parsed = [_parse(text) for text in texts]
+    await translate_trees([root for root, _ in parsed], engine)
+    return [_serialize(root, document) for root, document in parsed]
+
+
+async def translate_trees(roots: Sequence[etree._Element], engine: Engine) -> None:
+    """Each tree (an HTML page, or an XHTML one parsed as XML) translated in place, its markup
+    kept (module docstring); all trees' sentences and attributes go to the engine together."""
     page = _Page()
-    for root, _ in parsed:
+    for root in roots:
         _collect(root, True, page)
     values = [str(el.get(name)) for el, name in page.attributes]
     translated_values = await engine.texts(values) if values else []
@@ -214,7 +225,6 @@ async def translate_html(texts: Sequence[str], engine: Engine) -> list[str]:
         el.set(name, value.translate(_NOT_TEXT))
     for slot, block in zip(page.slots, blocks, strict=True):
         _rebuild(slot, block, page)
-    return [_serialize(root, document) for root, document in parsed]
 
 
 _PARSER = lxml.html.HTMLParser(encoding="utf-8")  # the text is Unicode, whatever it declares
@@ -222,8 +232,15 @@ _PARSER = lxml.html.HTMLParser(encoding="utf-8")  # the text is Unicode, whateve
 
 def visible_text(text: str) -> str:
     """The text a reader sees (what language detection reads): no markup, scripts or styles."""
-    root, _ = _parse(text)
-    for el in root.iter("script", "style", "template"):
+    return tree_text(_parse(text)[0], copy=False)
+
+
+def tree_text(root: etree._Element, copy: bool = True) -> str:
+    """The text a reader sees of a parsed page (HTML or XHTML); ``root`` left as it was unless
+    ``copy`` is false."""
+    if copy:
+        root = deepcopy(root)
+    for el in [el for el in root.iter() if _tag(el) in ("script", "style", "template")]:
         el.text = None
         for child in el:
             el.remove(child)

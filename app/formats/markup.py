@@ -71,6 +71,11 @@ def has_text(block: Block) -> bool:
     return any(run.atom is None and run.text.strip() for run in block)
 
 
+def has_words(block: Block) -> bool:
+    """Text with a letter in it (a cell holding a number is left as it is)."""
+    return any(run.atom is None and any(c.isalpha() for c in run.text) for run in block)
+
+
 @dataclass(frozen=True)
 class _Piece:
     """A run clipped to one segment, its offsets relative to the segment's start."""

@@ -173,7 +173,7 @@ async def detect(payload: DetectBody, state: StateDep) -> list[DetectionResult]:
 
 async def translate_file(request: Request, state: StateDep, key: HeaderKey) -> TranslateFileResponse:
     """Translate a document (LibreTranslate's /translate_file): multipart/form-data with the
-    ``file`` (.txt, .html, .srt, .docx), ``source`` (or "auto") and ``target``. The answer
+    ``file`` (any of ``app.formats.documents.FORMATS``), ``source`` (or "auto") and ``target``. The answer
     says where to download the translation (``GET /download_file/{name}``, for a while)."""
     upload = await uploads.read_upload(request, state.settings.max_file_bytes)
     client = await uploads.admit(request, state, key, upload)

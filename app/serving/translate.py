@@ -277,7 +277,10 @@ async def translate_document(upload: Upload, state: AppState, watch: Watch) -> T
     legs = Legs(tuple(route), options, time.monotonic() + settings.request_timeout_s)
     for service in legs.services:  # more sentences than the queue holds: 413 (or 429 while busy)
         service.scheduler.check_room(count)
-    data = await watch(document.translate(legs))
+    try:
+        data = await watch(document.translate(legs))
+    except documents.DocumentError as err:  # (a part that cannot be written back)
+        raise ApiError(400, err.error_type, str(err)) from None
     fmt = document.format
     try:
         name = await state.files.put(safe_filename(upload.filename, fmt.suffix), fmt.media_type, data, fmt.suffix)

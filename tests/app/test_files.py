@@ -364,7 +364,10 @@ def test_api_keys_are_checked_as_for_every_route(tiny_weights_dir: Path) -> None
 def test_frontend_settings_and_the_schema_announce_files(client: TestClient) -> None:
     settings = client.get("/frontend/settings").json()
     assert settings["filesTranslation"] is True
-    assert settings["supportedFilesFormat"] == [".txt", ".html", ".htm", ".srt", ".docx"]
+    assert settings["supportedFilesFormat"] == [
+        *[".txt", ".html", ".htm", ".srt", ".docx"],
+        *[".odt", ".odp", ".pptx", ".epub", ".pdf"],  # (tests/app/test_documents.py)
+    ]
     paths = client.get("/openapi.json").json()["paths"]
     form = paths["/translate_file"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
     assert form["required"] == ["file", "source", "target"] and form["properties"]["file"]["format"] == "binary"
