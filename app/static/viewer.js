@@ -189,7 +189,7 @@
     state.alignment = $("show-alignment").checked;
   }
 
-  async function loadDirections() {
+  async function loadDirections(wanted) {
     try {
       const languages = await api("/languages");
       const options = [];
@@ -199,7 +199,7 @@
           options.push([`${lang.code}-${target}`, `${name(lang.code)} → ${name(target)}`]);
         }
       }
-      if (options.length) fillSelect($("direction"), options, $("direction").value);
+      if (options.length) fillSelect($("direction"), options, wanted || $("direction").value);
     } catch (_) {
       // Keep the built-in German → English choice; /attention will report a real problem.
     }
@@ -499,8 +499,13 @@
       if (event.target instanceof HTMLCanvasElement) return;
       for (const canvas of document.querySelectorAll("canvas.heatmap")) hover(canvas, null);
     });
-    loadDirections();
-    translate();
+    // The translation page links here with its direction and sentence: ?source=de&target=en&q=...
+    const wanted = params.get("source") && params.get("target") ? `${params.get("source")}-${params.get("target")}` : null;
+    if (wanted) loadDirections(wanted).then(() => translate());
+    else {
+      loadDirections();
+      translate();
+    }
   }
 
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
