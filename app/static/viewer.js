@@ -55,12 +55,23 @@
 
   // ---------- HTTP ----------
 
+  // The API key the translation page keeps (for a server that requires one).
+  function apiKey() {
+    try {
+      return window.localStorage.getItem("translator.apiKey") || "";
+    } catch (_) {
+      return "";
+    }
+  }
+
   async function api(path, body, signal) {
+    const headers = body === undefined ? {} : { "Content-Type": "application/json" };
+    if (apiKey()) headers["X-API-Key"] = apiKey();
     let response;
     try {
       response = await fetch(path, {
         method: body === undefined ? "GET" : "POST",
-        headers: body === undefined ? {} : { "Content-Type": "application/json" },
+        headers,
         body: body === undefined ? undefined : JSON.stringify(body),
         signal,
       });

@@ -193,7 +193,7 @@ def test_metadata_endpoints(client: TestClient) -> None:
 
 def test_the_pages_are_served_with_nothing_from_elsewhere(client: TestClient) -> None:
     """/ (the translation page) and /viewer, their scripts and styles from the app itself: no
-    build step, no framework, no address another host serves (tests/e2e/test_page*.py: in Chromium)."""
+    build step, no framework, no address another host serves (tests/e2e/test_page.py: in Chromium)."""
     for path, script in (("/", "/static/translate.js"), ("/viewer", "/static/viewer.js")):
         page = client.get(path)
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")

@@ -1,15 +1,17 @@
-"""The translation page at ``/`` in real headless Chromium against a real server (de-en, en-de
-and en-fr: de->fr goes through English): typing, swapping, detection, the word alignment,
-alternatives, a file round trip, errors in words, keyboard-only use, and axe-core's checks in
-light and dark mode at desktop and phone width. One browser and one server for the module.
+"""The translation page at ``/`` in real headless Chromium against one real server (de-en, en-de
+and en-fr: de->fr goes through English) that restricts its clients as a public one would: API
+keys required (``KEY``; ``TIGHT`` allowed one request a minute), suggestions on, files of at most
+2,000 bytes. Typing, swapping, detection, the word alignment, alternatives, a file round trip,
+errors in words (a real 429 and 413 among them), keyboard-only use, and axe-core's checks in light
+and dark mode at desktop and phone width. One browser and one server for the module.
 
-The restricted server (API keys, a tight rate limit, suggestions, a small file limit) is
-test_page_limits.py's. Screenshots go to ``artifacts/page/`` (``PAGE_ARTIFACTS_DIR``).
+Screenshots go to ``artifacts/page/`` (``PAGE_ARTIFACTS_DIR``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,7 +27,7 @@ from tests.e2e.pages import DESKTOP, PHONE, TIMEOUT_MS
 pytestmark = [pytest.mark.server, pytest.mark.browser, pytest.mark.usefixtures("fused_kernels")]
 
 try:
-    from playwright.sync_api import Browser, Error, Page, Route, ViewportSize, expect
+    from playwright.sync_api import Browser, BrowserContext, Error, Page, Route, ViewportSize, expect
 
     expect.set_options(timeout=TIMEOUT_MS)
 except ImportError:  # the skip (or CI failure) happens in the fixture, with the reason
@@ -33,12 +35,22 @@ except ImportError:  # the skip (or CI failure) happens in the fixture, with the
 
 EXAMPLE = "Zwei junge Männer spielen Fußball auf einer Wiese."
 TWO = f"{EXAMPLE} Ein Hund läuft."
+KEY = "open-key"
+TIGHT = "tight-key"  # one request a minute
+HEADERS = {"X-API-Key": KEY}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     weights = pages.weights_subset(tmp_path_factory.mktemp("weights"), ["de-en", "en-de", "en-fr"])
-    with pages.server(weights) as url:
+    with pages.server(
+        weights,
+        api_keys=KEY,
+        api_key_limits=json.dumps({TIGHT: {"req_limit": 1}}),
+        suggestions="true",
+        data_dir=str(tmp_path_factory.mktemp("data")),
+        max_file_bytes="2000",
+    ) as url:
         yield url
 
 
@@ -48,16 +60,32 @@ def browser() -> Iterator[Browser]:
         yield launched
 
 
-@pytest.fixture
-def page(browser: Browser, server: str) -> Iterator[Page]:
-    context = browser.new_context(viewport=DESKTOP, base_url=server)
+def new_context(browser: Browser, server: str, key: str | None = KEY, **options: Any) -> BrowserContext:
+    """A fresh browser profile whose page holds ``key`` as a user who typed it once (None: none)."""
+    context = browser.new_context(base_url=server, **{"viewport": DESKTOP, **options})
+    if key is not None:
+        context.add_init_script(f"window.localStorage.setItem('translator.apiKey', {json.dumps(key)})")
+    return context
+
+
+@contextlib.contextmanager
+def watched(context: BrowserContext) -> Iterator[Page]:
+    """The context's page, closed after the test, which fails on any JavaScript error."""
     opened = context.new_page()
     opened.set_default_timeout(TIMEOUT_MS)
     errors: list[str] = []
     opened.on("pageerror", lambda err: errors.append(str(err)))
-    yield opened
-    context.close()
+    try:
+        yield opened
+    finally:
+        context.close()
     assert not errors, f"JavaScript errors: {errors}"
+
+
+@pytest.fixture
+def page(browser: Browser, server: str) -> Iterator[Page]:
+    with watched(new_context(browser, server)) as opened:
+        yield opened
 
 
 def open_page(page: Page, **params: str) -> None:
@@ -67,7 +95,7 @@ def open_page(page: Page, **params: str) -> None:
 
 
 def api(url: str, path: str, **body: Any) -> Any:
-    response = httpx.post(f"{url}{path}", json=body, timeout=60)
+    response = httpx.post(f"{url}{path}", json=body, headers=HEADERS, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -195,7 +223,7 @@ def test_alternatives_when_asked_for(page: Page, server: str) -> None:
 
 def test_a_text_file_round_trip(page: Page, server: str, tmp_path: Path) -> None:
     open_page(page, source="de", target="en")
-    settings = httpx.get(f"{server}/frontend/settings").json()
+    settings = httpx.get(f"{server}/frontend/settings", timeout=10).json()
     assert page.get_attribute("#file-input", "accept") == ",".join(settings["supportedFilesFormat"])
     content = "Ein Hund läuft.\nZwei Männer spielen Fußball auf einer Wiese.\n"
     page.set_input_files("#file-input", files=[pages.text_file("notes.txt", content)])
@@ -259,19 +287,18 @@ def test_api_errors_are_shown_in_words(page: Page) -> None:
 
 
 def test_keyboard_alone(browser: Browser, server: str) -> None:
-    context = browser.new_context(viewport=DESKTOP, base_url=server, permissions=["clipboard-read", "clipboard-write"])
-    page = context.new_page()
-    try:
+    context = new_context(browser, server, permissions=["clipboard-read", "clipboard-write"])
+    with watched(context) as page:
         open_page(page, source="de", target="en")
         order = []
-        for _ in range(11):
+        for _ in range(13):
             page.keyboard.press("Tab")
             order.append(page.evaluate("document.activeElement.id"))
         assert order == [
-            "viewer-link", "docs-link", "source", "swap", "target", "source-text", "clear", "translation",
-            "want-alternatives", "copy", "file-input",
+            "viewer-link", "docs-link", "api-key", "source", "swap", "target", "source-text", "clear", "translation",
+            "want-alternatives", "suggest-open", "copy", "file-input",
         ]  # fmt: skip
-        page.focus("#docs-link")
+        page.focus("#api-key")
         for _ in range(4):
             page.keyboard.press("Tab")  # source, swap, target, text
         page.keyboard.type("Ein Hund läuft.")
@@ -296,12 +323,11 @@ def test_keyboard_alone(browser: Browser, server: str) -> None:
         page.keyboard.press("Tab")
         page.keyboard.press("Space")  # alternatives
         expect(page.locator("#alternatives")).to_be_visible()
+        page.keyboard.press("Tab")  # "improve this translation"
         page.keyboard.press("Tab")
         page.keyboard.press("Enter")  # copy
         expect(page.locator("#copy")).to_have_text("Copied")
         assert page.evaluate("navigator.clipboard.readText()") == page.inner_text("#translation")
-    finally:
-        context.close()
 
 
 @pytest.mark.parametrize(
@@ -311,11 +337,8 @@ def test_no_serious_accessibility_violations(
     browser: Browser, server: str, scheme: pages.Scheme, viewport: ViewportSize
 ) -> None:
     phone = viewport is PHONE
-    context = browser.new_context(
-        viewport=viewport, color_scheme=scheme, base_url=server, is_mobile=phone, has_touch=phone, device_scale_factor=1
-    )
-    page = context.new_page()
-    try:
+    context = new_context(browser, server, viewport=viewport, color_scheme=scheme, is_mobile=phone, has_touch=phone)
+    with watched(context) as page:
         open_page(page, source="de", target="en", q=TWO)
         background = page.evaluate("getComputedStyle(document.body).backgroundColor")
         assert background == ("rgb(17, 20, 24)" if scheme == "dark" else "rgb(245, 246, 248)")
@@ -335,5 +358,58 @@ def test_no_serious_accessibility_violations(
         page.fill("#source-text", "Hola, me llamo Juan y vivo en Madrid con mi familia.")
         expect(page.locator("#error")).to_be_visible()
         assert pages.axe_violations(page) == []  # with an error shown
-    finally:
-        context.close()
+
+
+def test_a_required_key_is_asked_for(browser: Browser, server: str) -> None:
+    with watched(new_context(browser, server, key=None)) as page:
+        open_page(page, source="de", target="en")
+        expect(page.locator("#api-key")).to_be_visible()
+        assert page.inner_text("label[for=api-key]") == "API key (required)"
+        page.fill("#source-text", "Ein Hund läuft.")
+        error = page.locator("#error")
+        expect(error).to_contain_text("An API key is needed")
+        expect(page.locator("#api-key")).to_be_focused()
+        page.keyboard.type(KEY)
+        page.keyboard.press("Enter")
+        expect(page.locator("#translation")).to_have_text("A dog is running.")
+        expect(error).to_be_hidden()
+
+
+def test_a_rate_limit_is_shown_with_its_wait(browser: Browser, server: str) -> None:
+    with watched(new_context(browser, server, key=TIGHT)) as page:
+        open_page(page, source="de", target="en")  # nothing to translate yet: the key's one request is left
+        page.fill("#source-text", "Ein Hund läuft.")
+        expect(page.locator("#translation")).to_have_text("A dog is running.")
+        page.fill("#source-text", "Eine Katze schläft.")
+        error = page.locator("#error")
+        expect(error).to_have_attribute("data-status", "429")
+        expect(error).to_contain_text("Too many requests")
+        expect(error).to_contain_text("this server allows 1 request per minute")
+        text = error.inner_text()
+        wait = int(re.search(r"Try again in (\d+) seconds?\.", text).group(1))  # type: ignore[union-attr]
+        assert 1 <= wait <= 60, text
+        expect(error).to_have_attribute("data-wait", str(wait - 1), timeout=3_000)  # counting down
+        expect(page.locator("#translation")).to_have_text("")  # not the earlier text's translation
+        pages.screenshot(page, "page-429.png")
+
+
+def test_a_suggestion_is_sent(page: Page) -> None:
+    open_page(page, source="de", target="en", q="Ein Hund läuft.")
+    expect(page.locator("#translation")).to_have_text("A dog is running.")
+    page.click("#suggest-open")
+    expect(page.locator("#suggestion")).to_be_focused()
+    expect(page.locator("#suggestion")).to_have_value("A dog is running.")
+    page.fill("#suggestion", "A dog runs.")
+    page.click("#suggest-send")
+    expect(page.locator("#align-info")).to_have_text("Thank you: your translation was saved.")
+    expect(page.locator("#suggest-form")).to_be_hidden()
+
+
+def test_a_file_over_the_limit_is_refused_in_words(page: Page) -> None:
+    open_page(page, source="de", target="en")
+    big = "Ein Hund läuft über die Wiese.\n" * 100
+    page.set_input_files("#file-input", files=[pages.text_file("long.txt", big)])
+    error = page.locator("#file-error")
+    expect(error).to_have_attribute("data-status", "413")
+    expect(error).to_contain_text("The file is too large")
+    expect(error).to_contain_text("up to 2 kB")
