@@ -26,7 +26,7 @@
     result: null, // the translation shown (see showTranslation)
     selected: null, // {s, w}: the translation word whose alignment shows (clicked or keyed)
     hovered: null,
-    retry: null, // {timer, tick}: a 429 or loading wait counting down
+    retry: null, // {timer}: a 429's wait counting down
     xhr: null,
     debounce: null,
   };
@@ -175,7 +175,9 @@
         return ["Too many sentences at once", `The ${what} has more sentences than the server can queue; translate it in parts.`];
       case "too_many_characters": {
         const n = /(\d+) characters in this request; at most (\d+)/.exec(m);
-        return ["The text is too long", n ? `It has ${Number(n[1]).toLocaleString("en")} characters; this server takes at most ${Number(n[2]).toLocaleString("en")} per request.` : m];
+        if (!n) return ["The text is too long", capitalise(m)];
+        const [given, most] = [Number(n[1]), Number(n[2])].map((x) => x.toLocaleString("en"));
+        return ["The text is too long", `It has ${given} characters; this server takes at most ${most} per request.`];
       }
       case "text_too_long":
         return ["The text is too long", `${capitalise(m)}. Shorten it or split it into several parts.`];
@@ -193,9 +195,14 @@
       case "unsupported_language_pair": {
         const pair = /no model for ([\w-]+)->([\w-]+)/.exec(m);
         if (pair && pair[1] === pair[2]) {
-          return ["Nothing to translate", `The text is already in ${languageName(pair[1])}, the language chosen to translate to. Choose another target language.`];
+          const language = languageName(pair[1]);
+          return [
+            "Nothing to translate",
+            `The text is already in ${language}, the language chosen to translate to. Choose another target language.`,
+          ];
         }
-        return ["This pair of languages is not supported", pair ? `No model here translates ${languageName(pair[1])} into ${languageName(pair[2])}.` : m];
+        const why = pair ? `No model here translates ${languageName(pair[1])} into ${languageName(pair[2])}.` : m;
+        return ["This pair of languages is not supported", why];
       }
       case "unsupported_file_format":
       case "unsupported_media_type":
@@ -259,7 +266,8 @@
     let left = Math.max(1, err.retryAfter || 1);
     const tick = () => {
       const text = $("error").querySelector(".error-text");
-      if (text) text.textContent = text.textContent.replace(/Try again in \d+ seconds?\.|Try again shortly\./, `Try again in ${plural(left, "second")}.`);
+      const again = `Try again in ${plural(left, "second")}.`;
+      if (text) text.textContent = text.textContent.replace(/Try again in \d+ seconds?\.|Try again shortly\./, again);
       $("error").dataset.wait = String(left);
     };
     tick();
@@ -378,6 +386,7 @@
     }
     if (over) {
       const err = new ApiError(400, "too_many_characters", `q: ${n} characters in this request; at most ${limit}`);
+      clearResult();
       showError(err);
       return;
     }
@@ -504,7 +513,8 @@
     state.selected = state.hovered = null;
     renderTranslation();
     if (detected) {
-      $("detected").textContent = `Detected: ${languageName(detected.language)} (${formatConfidence(detected.confidence)} % confidence)`;
+      const confidence = formatConfidence(detected.confidence);
+      $("detected").textContent = `Detected: ${languageName(detected.language)} (${confidence} % confidence)`;
       $("detected").dataset.language = detected.language;
     } else {
       $("detected").textContent = "";
@@ -697,7 +707,8 @@
       infos.push(names.length ? `“${word}” comes from ${names.join(" and ")}` : `No alignment for “${word}”.`);
     }
     highlightSource(marks);
-    $("align-info").textContent = words.length > 1 ? `${infos.slice(0, 4).join("; ")}${infos.length > 4 ? "; …" : ""}` : infos[0] || "";
+    const more = infos.length > 4 ? "; …" : "";
+    $("align-info").textContent = words.length > 1 ? `${infos.slice(0, 4).join("; ")}${more}` : infos[0] || "";
     updateViewerLink();
   }
 
@@ -944,6 +955,16 @@
       const file = event.dataTransfer && event.dataTransfer.files[0];
       uploadFile(file);
     });
+    // A file dropped anywhere on the page is translated too, rather than opened in place of the page.
+    const hasFiles = (event) => event.dataTransfer && [...event.dataTransfer.types].includes("Files");
+    window.addEventListener("dragover", (event) => {
+      if (hasFiles(event)) event.preventDefault();
+    });
+    window.addEventListener("drop", (event) => {
+      if (!hasFiles(event) || zone.contains(event.target)) return;
+      event.preventDefault();
+      uploadFile(event.dataTransfer.files[0]);
+    });
     $("file-input").addEventListener("change", () => {
       uploadFile($("file-input").files[0]);
       $("file-input").value = "";
@@ -990,7 +1011,8 @@
     const settings = state.settings;
     fillSources(params.get("source") || (settings.language && settings.language.source.code) || "auto");
     const targets = targetsOf($("source").value);
-    const preferred = params.get("target") || (targets.includes(PIVOT) && $("source").value !== PIVOT ? PIVOT : settings.language.target.code);
+    const english = targets.includes(PIVOT) && $("source").value !== PIVOT;
+    const preferred = params.get("target") || (english ? PIVOT : settings.language.target.code);
     fillTargets(preferred);
     if (params.has("q")) $("source-text").value = params.get("q");
     autosize();

@@ -191,6 +191,22 @@ def test_a_word_of_the_translation_highlights_its_source_words(page: Page, serve
         words.nth(i).hover()
         expect(page.locator("#backdrop mark.strong")).to_have_text(expected[i])
         expect(page.locator("#align-info")).to_contain_text(f"comes from “{expected[i]}”")
+    # selecting words shows the source words of each
+    page.mouse.move(0, 0)
+    page.evaluate(
+        """() => {
+            const words = document.querySelectorAll("#translation .w[data-s='0']");
+            const range = document.createRange();
+            range.setStart(words[1].firstChild, 0);
+            range.setEnd(words[2].firstChild, words[2].textContent.length);
+            getSelection().removeAllRanges();
+            getSelection().addRange(range);
+        }"""
+    )
+    marks = page.locator("#backdrop mark.strong")
+    expect(marks).to_have_text([expected[1], expected[2]] if expected[1] != expected[2] else [expected[1]])
+    page.evaluate("getSelection().removeAllRanges()")
+    expect(marks).to_have_count(0)
     screenshot_path = pages.screenshot(page, "page-alignment.png")
     assert screenshot_path.stat().st_size > 0
     # a click keeps a word chosen; the viewer opens on its sentence
