@@ -12,6 +12,9 @@
   const MAX_ALIGNED_SENTENCES = 8;
   const MAX_ALTERNATIVES = 3;
   const LOADING_RETRIES = 60;
+  // The maps come from translating a sentence alone; when that gives another translation (a
+  // wider beam for alternatives, say), they are not this translation's.
+  const DIFFERENT = "the sentence translated alone comes out differently";
 
   const $ = (id) => document.getElementById(id);
   const state = {
@@ -598,12 +601,17 @@
     const controller = new AbortController();
     state.alignController = controller;
     const todo = r.sentences.slice(0, MAX_ALIGNED_SENTENCES);
-    r.sentences.slice(MAX_ALIGNED_SENTENCES).forEach((s) => { s.align = { error: "long" }; });
+    r.sentences.slice(MAX_ALIGNED_SENTENCES).forEach((s) => {
+      s.align = { error: `only the first ${MAX_ALIGNED_SENTENCES} sentences are aligned` };
+    });
     todo.forEach((s) => {
       s.align = { pending: true };
       alignSentence(r, s, controller.signal)
         .then((align) => { s.align = align; })
-        .catch((err) => { s.align = { error: err.name === "AbortError" ? "aborted" : describe(err)[0] }; })
+        .catch((err) => {
+          const why = err instanceof ApiError ? describe(err)[0].toLowerCase() : err.message;
+          s.align = { error: err.name === "AbortError" ? "aborted" : why };
+        })
         .finally(() => {
           if (state.result === r) refreshHighlight();
         });
@@ -611,10 +619,10 @@
   }
 
   async function alignSentence(r, s, signal) {
-    if (!s.tgtRange || !s.source) throw new Error("the sentence was not found in the text");
+    if (!s.tgtRange || !s.source) throw new Error("its sentence could not be found in the text");
     if (!r.pivot) {
       const leg = await attention(s.source, r.source, r.target, s.translation, signal);
-      if (!sameWords(leg.targetWords, s.words)) throw new Error("the alignment belongs to another translation");
+      if (!sameWords(leg.targetWords, s.words)) throw new Error(DIFFERENT);
       if (!s.sourceRanges) s.sourceRanges = locate(r.text, leg.sourceWords, s.range[0]);
       return { matrix: leg.matrix, sourceWords: leg.sourceWords };
     }
@@ -622,7 +630,7 @@
     const first = await attention(s.source, r.source, PIVOT, s.intermediate, signal);
     const second = await attention(s.intermediate, PIVOT, r.target, s.translation, signal);
     if (!sameWords(second.targetWords, s.words) || first.targetWords.length !== second.sourceWords.length) {
-      throw new Error("the alignment belongs to another translation");
+      throw new Error(DIFFERENT);
     }
     s.sourceRanges = locate(r.text, first.sourceWords, s.range[0]).map((x) => (x && x[1] <= s.range[1] ? x : null));
     const matrix = second.matrix.map((row) =>
@@ -643,7 +651,7 @@
     const card = state.direct.get(`${source}-${target}`);
     if (alternatives && card) body.beam_size = Math.min(Math.max(card, alternatives + 1), state.maxBeam);
     const data = await api("/attention", body, signal);
-    if (data.translatedText.trim() !== expected.trim()) throw new Error("the alignment belongs to another translation");
+    if (data.translatedText.trim() !== expected.trim()) throw new Error(DIFFERENT);
     const cross = data.attention.cross;
     const rows = data.target_tokens.map((t, i) => [t, i]).filter(([t]) => !isSpecial(t));
     const cols = data.source_tokens.map((t, i) => [t, i]).filter(([t]) => !isSpecial(t));
@@ -693,7 +701,7 @@
         continue;
       }
       if (s.align.error) {
-        infos.push(r.pivot && s.align.error !== "aborted"
+        infos.push(s.align.error !== "aborted"
           ? `No alignment for “${word}”: ${s.align.error}.`
           : `No alignment for “${word}”.`);
         continue;

@@ -9,13 +9,15 @@ Without Playwright, Chromium or the package the tests skip, except under CI=true
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from bench.server import running_server
-from tests.helpers import ROOT, SHIPPED, require
+from tests.helpers import ROOT, SHIPPED, free_port, require, stop, wait_ready
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, FilePayload, Page, ViewportSize
@@ -68,11 +70,21 @@ def weights_subset(folder: Path, directions: list[str]) -> Path:
 
 @contextmanager
 def server(weights: Path, **settings: str) -> Iterator[str]:
-    """``translator serve`` on ``weights`` with ``TRANSLATOR_*`` settings (lower-case names)."""
-    env = {"TRANSLATOR_WEIGHTS_DIR": str(weights), "TRANSLATOR_THREADS": "2", "TRANSLATOR_LOG_LEVEL": "warning"}
+    """``uvicorn app.main:app`` on ``weights`` with ``TRANSLATOR_*`` settings (lower-case names):
+    the app as ``translator serve`` runs it, without that command's re-execution on mimalloc
+    (a second interpreter start, seconds on a busy machine, for nothing a page shows)."""
+    env = {**os.environ, "TRANSLATOR_WEIGHTS_DIR": str(weights), "TRANSLATOR_THREADS": "2"}
     env.update({f"TRANSLATOR_{name.upper()}": value for name, value in settings.items()})
-    with running_server(env, ready_timeout=120.0) as url:
-        yield url
+    port = free_port()
+    command = [sys.executable, "-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port)]
+    with tempfile.TemporaryFile("w+") as log:  # shown if the server exits or never gets ready
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(url, proc, 120.0, log)
+            yield url
+        finally:
+            stop(proc)
 
 
 def axe_script() -> str:
