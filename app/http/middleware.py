@@ -26,7 +26,7 @@ log = logging.getLogger("app.access")
 
 ENDPOINTS = frozenset(
     ["/translate", "/attention", "/detect", "/suggest", "/languages", "/frontend/settings", "/info", "/health",
-     "/ready", "/metrics", "/", "/docs", "/openapi.json", "/translate_file", "/spec"]
+     "/ready", "/metrics", "/", "/viewer", "/docs", "/openapi.json", "/translate_file", "/spec"]
 )  # fmt: skip
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 

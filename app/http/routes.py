@@ -112,6 +112,7 @@ def build_router(models: RequestModels) -> APIRouter:
     get("/metrics", metrics, response_class=Response, responses={200: {"content": METRICS_TYPES}})
     get("/spec", spec, include_in_schema=False)
     get("/", index, include_in_schema=False)
+    get("/viewer", viewer, include_in_schema=False)
     return router
 
 
@@ -345,7 +346,18 @@ async def spec(request: Request) -> JSONResponse:
 
 
 async def index() -> Response:
-    page = STATIC / "index.html"
-    if not page.is_file():
-        return JSONResponse({"error": "viewer page not installed", "error_type": "not_found"}, status_code=404)
-    return FileResponse(page)
+    """The translation page (app/static/index.html, translate.js)."""
+    return page("index.html")
+
+
+async def viewer() -> Response:
+    """The attention viewer (app/static/viewer.html, viewer.js); the translation page links to it
+    with ``?source=&target=&q=`` (the sentence at hand)."""
+    return page("viewer.html")
+
+
+def page(name: str) -> Response:
+    path = STATIC / name
+    if not path.is_file():
+        return JSONResponse({"error": f"page {name} not installed", "error_type": "not_found"}, status_code=404)
+    return FileResponse(path)

@@ -55,12 +55,23 @@
 
   // ---------- HTTP ----------
 
+  // The API key the translation page keeps (for a server that requires one).
+  function apiKey() {
+    try {
+      return window.localStorage.getItem("translator.apiKey") || "";
+    } catch (_) {
+      return "";
+    }
+  }
+
   async function api(path, body, signal) {
+    const headers = body === undefined ? {} : { "Content-Type": "application/json" };
+    if (apiKey()) headers["X-API-Key"] = apiKey();
     let response;
     try {
       response = await fetch(path, {
         method: body === undefined ? "GET" : "POST",
-        headers: body === undefined ? {} : { "Content-Type": "application/json" },
+        headers,
         body: body === undefined ? undefined : JSON.stringify(body),
         signal,
       });
@@ -189,7 +200,7 @@
     state.alignment = $("show-alignment").checked;
   }
 
-  async function loadDirections() {
+  async function loadDirections(wanted) {
     try {
       const languages = await api("/languages");
       const options = [];
@@ -199,7 +210,7 @@
           options.push([`${lang.code}-${target}`, `${name(lang.code)} → ${name(target)}`]);
         }
       }
-      if (options.length) fillSelect($("direction"), options, $("direction").value);
+      if (options.length) fillSelect($("direction"), options, wanted || $("direction").value);
     } catch (_) {
       // Keep the built-in German → English choice; /attention will report a real problem.
     }
@@ -499,8 +510,13 @@
       if (event.target instanceof HTMLCanvasElement) return;
       for (const canvas of document.querySelectorAll("canvas.heatmap")) hover(canvas, null);
     });
-    loadDirections();
-    translate();
+    // The translation page links here with its direction and sentence: ?source=de&target=en&q=...
+    const wanted = params.get("source") && params.get("target") ? `${params.get("source")}-${params.get("target")}` : null;
+    if (wanted) loadDirections(wanted).then(() => translate());
+    else {
+      loadDirections();
+      translate();
+    }
   }
 
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);

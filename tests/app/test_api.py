@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import re
 import time
 import weakref
 from collections.abc import Iterator
@@ -188,6 +189,22 @@ def test_metadata_endpoints(client: TestClient) -> None:
     assert info["limits"]["max_items"] == 4
     assert client.get("/docs").status_code == 200
     assert "/translate" in client.get("/openapi.json").json()["paths"]
+
+
+def test_the_pages_are_served_with_nothing_from_elsewhere(client: TestClient) -> None:
+    """/ (the translation page) and /viewer, their scripts and styles from the app itself: no
+    build step, no framework, no address another host serves (tests/e2e/test_page.py: in Chromium)."""
+    for path, script in (("/", "/static/translate.js"), ("/viewer", "/static/viewer.js")):
+        page = client.get(path)
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        links = re.findall(r'(?:src|href)="([^"]*)"', page.text)
+        assert script in links
+        assert all(link.startswith(("/", "data:")) for link in links), links
+        for asset in (link for link in links if link.startswith("/static/")):
+            assert client.get(asset).status_code == 200, asset
+    for name in ("translate.js", "translate.css", "viewer.js", "viewer.css"):
+        assert "://" not in client.get(f"/static/{name}").text, name
+    assert all(path not in client.get("/openapi.json").json()["paths"] for path in ("/", "/viewer"))
 
 
 def test_the_fused_step_kernels_can_be_turned_off(tiny_weights_dir: Path) -> None:

@@ -1,4 +1,4 @@
-"""The attention viewer in real headless Chromium against a real uvicorn process of the app.
+"""The attention viewer (``/viewer``) in real headless Chromium against a real uvicorn process of the app.
 
 Needs the ``playwright`` Python package and Debian's ``chromium`` (never ``playwright install``).
 Without them the tests skip, except under CI=true, where they fail. Screenshots go to
@@ -92,7 +92,7 @@ def attention_json(url: str, **extra: Any) -> dict[str, Any]:
 
 
 def open_viewer(page: Page, url: str) -> None:
-    page.goto(url + "/")
+    page.goto(url + "/viewer")
     page.wait_for_selector("#app[data-state=ready]", timeout=TIMEOUT_MS)
 
 
