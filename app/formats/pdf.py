@@ -19,8 +19,9 @@ in blocks where it stands, each block translated and written back at its place.
   page's content and the forms it draws (everything else, the text state and colours
   included, stays), and each block's translation is drawn by ReportLab (BSD) on a layer merged
   onto its page by pypdf: from the block's first baseline and left edge, wrapped at the block
-  beside it or the page's right margin, at its font size and line pitch (smaller, down to a floor, where the translation would
-  not fit the block's height), in its colour, bold and italic as most of its characters were.
+  beside it or the page's right margin, at its font size and line pitch (smaller, down to a
+  floor, where the translation would not fit the block's height), in its colour, bold and
+  italic as most of its characters were.
   The font is DejaVu Sans where the system has it (Debian's fonts-dejavu-core), else
   ReportLab's bundled Bitstream Vera Sans; both are embedded (subset) in the result.
 
