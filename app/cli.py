@@ -36,14 +36,10 @@ def _evaluate(argv: list[str]) -> None:
 
 
 def _plot(argv: list[str]) -> None:
-    try:
-        from model.training.plot import main
-    except ModuleNotFoundError as err:
-        if err.name != "matplotlib":
-            raise
-        raise SystemExit(
-            "translator plot needs matplotlib, an optional dependency: pip install 'transformer-translator[plot]'"
-        ) from None
+    # matplotlib (the ``plot`` extra) is imported only to draw: --help works without it, a
+    # picture without it exits with the install hint (model.training.plot.new_figure)
+    from model.training.plot import main
+
     raise SystemExit(main(argv))  # its status: 2 for a bad run folder, text or layer
 
 
