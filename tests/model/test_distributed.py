@@ -162,36 +162,28 @@ def test_two_processes_step_as_one_over_the_same_global_batches(tmp_path: Path, 
         torch.testing.assert_close(value, weights[name], atol=2e-5, rtol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def unbroken(tmp_path_factory: pytest.TempPathFactory, corpora: Path, data_dir: Path) -> tuple[Path, Path]:
-    """(config, run): two epochs of three updates on two processes, with dropout (so each
-    process's RNG matters) and a given tokenizer (to spend the tests' time on training)."""
+def test_a_run_killed_in_any_process_resumes_to_the_unbroken_result(tmp_path: Path, corpora: Path) -> None:
+    """Three epochs of three updates on two processes, with dropout (each process's RNG is in the
+    state): rank 1 killed (SIGKILL) in the second epoch, torchrun ends rank 0, ``--resume``
+    continues from the first epoch's state; rank 0 killed in the third, ``--resume`` again from the
+    second's; the run ends with the losses and weights of a run never stopped."""
     from model.network.tokenizer import train_tokenizer
 
-    where = tmp_path_factory.mktemp("unbroken")
     sentences = read_lines(corpora / "a.de.gz") + read_lines(corpora / "a.en.gz")
-    (where / "spm.model").write_bytes(train_tokenizer(sentences, vocab_size=300).model_proto)
-    path = config(corpora, where, epochs=2, dropout=0.1, spm=where / "spm.model")
-    out = torchrun(path, where / "run", "--max-steps-per-epoch", "3")
+    (tmp_path / "spm.model").write_bytes(train_tokenizer(sentences, vocab_size=300).model_proto)
+    path = config(corpora, tmp_path, epochs=3, dropout=0.1, spm=tmp_path / "spm.model")  # (no tokenizer to train)
+    straight = tmp_path / "unbroken"
+    out = torchrun(path, straight, "--max-steps-per-epoch", "3")
     assert out.returncode == 0, out.stderr[-4000:]
-    return path, where / "run"
 
-
-@pytest.mark.parametrize("killed", [1, 0])
-def test_a_run_killed_in_any_process_resumes_to_the_unbroken_result(
-    tmp_path: Path, unbroken: tuple[Path, Path], killed: int
-) -> None:
-    """A process killed (SIGKILL) in the second epoch, torchrun ends the other, and ``--resume``
-    continues from the first epoch's state to the same losses and weights as a run never stopped."""
-    path, straight = unbroken
     run = tmp_path / "killed"
-    out = torchrun(path, run, "--max-steps-per-epoch", "3", env={KILL_AT: f"{killed}:5"})
-    assert out.returncode != 0 and not (run / "model").exists()
-    assert [json.loads(line)["epoch"] for line in (run / "log.jsonl").read_text().splitlines()] == [1]
-    assert [s["step"] for s in steps_of(run)] == [1, 2, 3, 4]  # killed after its 5th update
+    for killed, step, epochs_done in ((1, 5, [1]), (0, 8, [1, 2])):
+        out = torchrun(path, run, "--max-steps-per-epoch", "3", "--resume", env={KILL_AT: f"{killed}:{step}"})
+        assert out.returncode != 0 and not (run / "model").exists(), out.stderr[-4000:]
+        assert [json.loads(line)["epoch"] for line in (run / "log.jsonl").read_text().splitlines()] == epochs_done
     resumed = torchrun(path, run, "--max-steps-per-epoch", "3", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert steps_of(run) == steps_of(straight)  # (the killed epoch's steps cut from the log)
+    assert steps_of(run) == steps_of(straight)  # (each killed epoch's steps cut from the log on resuming)
     logs = [[json.loads(line) for line in (r / "log.jsonl").read_text().splitlines()] for r in (run, straight)]
     assert [e["train_loss"] for e in logs[0]] == [e["train_loss"] for e in logs[1]]
     a = load_file(str(run / "model" / "model.safetensors"))
