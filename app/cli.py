@@ -104,7 +104,11 @@ def _bench(argv: list[str]) -> None:
 # name -> (one-line description, runner); serve has its own parser below
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], None] | None]] = {
     "serve": ("serve the checkpoints under the weights folder over HTTP", None),
-    "train": ("train a model from a config in configs/ (reproduces the shipped weights)", _train),
+    "train": (
+        "train a model from a config (configs/ reproduce the shipped weights; your own corpora; --init to "
+        "fine-tune; several processes: torchrun -m model.training.train)",
+        _train,
+    ),
     "evaluate": ("translate a test set and score it with sacreBLEU", _evaluate),
     "plot": (
         "draw a translation's attention heads as heatmaps, or a training run's curves (plot training RUN_DIR)",
