@@ -1,6 +1,6 @@
 """Memory of training on streamed corpora ([[data.corpora]]) against the corpus's size.
 
-    python -m bench.train_memory [--pairs 3000000,300000] [--steps 1500] [--folder /tmp/train-memory]
+    python -m bench.train_memory [--pairs 3000000,300000] [--steps 1000] [--folder /tmp/train-memory]
 
 For each size, a generated corpus of that many distinct pairs (sentences of 4-20 words from a
 2,000-word vocabulary, the target a word-by-word rewrite of the source: learnable, cheap to
@@ -10,8 +10,10 @@ make; written once, as a pair of gzip files, into ``--folder``) trains a tiny mo
 bytes, the seconds and the peak RSS of the read that counts and samples the corpus (``scan``)
 and of the trainer's set-up as a whole (scan, tokenizer training, the model), then of training:
 the RSS when training starts, at the end, its peak, and its quartiles over time, the pairs the
-stream gave out and the updates made. Flat memory: the training figures do not grow with the
-corpus, nor from the start of training to its end.
+stream gave out and the updates made; then, without a model, the whole of the next epoch's
+batches (every pair read, cleaned, mixed, shuffled, tokenized and batched): its seconds, batches,
+RSS quartiles and peak. Flat memory: these figures do not grow with the corpus, nor from the
+start of training to its end.
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ def child(config: Path, out: Path, steps: int) -> dict[str, Any]:
             scan_seconds.append(time.perf_counter() - start)
             sampler.mark("setup")
 
-    train_module.scan = timed_scan  # type: ignore[attr-defined]
+    train_module.scan = timed_scan
     sampler.mark("setup")
     start = time.perf_counter()
     trainer = Trainer(cfg, out, torch.device("cpu"))
@@ -162,8 +164,18 @@ def child(config: Path, out: Path, steps: int) -> dict[str, Any]:
     start = time.perf_counter()
     trainer.run(max_steps_per_epoch=steps)  # (its validation at the end is tagged "train" too)
     seconds = time.perf_counter() - start
+    trained_on = given
+    # then the whole of the next epoch's batches, without a model: every pair read, cleaned,
+    # mixed, shuffled, tokenized and batched
+    m = cfg.model
+    sampler.mark("stream")
+    start = time.perf_counter()
+    batches = sum(1 for _ in trainer.stream.batches(1, trainer._encode, cfg.optim.max_tokens, m.max_positions - 1,
+                                                    (m.pad_id, m.bos_id, m.eos_id)))  # fmt: skip
+    stream_seconds = time.perf_counter() - start
     sampler.mark("end")
     sampler.stop()
+    streamed = sampler.of("stream")
     train = sampler.of("train")
     quartiles = statistics.quantiles(train, n=4) if len(train) > 1 else train * 3
     return {
@@ -173,11 +185,16 @@ def child(config: Path, out: Path, steps: int) -> dict[str, Any]:
         "setup_peak_rss_mib": round(max(sampler.of("scan") + sampler.of("setup")), 1),
         "train_s": round(seconds, 1),
         "steps": trainer.step,
-        "pairs_streamed": given,
+        "pairs_streamed": trained_on,
         "train_rss_start_mib": round(train[0], 1),
         "train_rss_q1_median_q3_mib": [round(q, 1) for q in quartiles],
         "train_rss_end_mib": round(train[-1], 1),
         "train_peak_rss_mib": round(max(train), 1),
+        "epoch_stream_s": round(stream_seconds, 1),
+        "epoch_stream_batches": batches,
+        "epoch_stream_pairs": given - trained_on,
+        "epoch_stream_rss_q1_median_q3_mib": [round(q, 1) for q in statistics.quantiles(streamed, n=4)],
+        "epoch_stream_peak_rss_mib": round(max(streamed), 1),
         "samples": len(sampler.samples),
     }
 
@@ -185,7 +202,7 @@ def child(config: Path, out: Path, steps: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", default="3000000,300000", help="corpus sizes, comma-separated")
-    parser.add_argument("--steps", type=int, default=1500, help="updates per run")
+    parser.add_argument("--steps", type=int, default=1000, help="updates per run")
     parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()) / "train-memory")
     parser.add_argument("--child", nargs=3, metavar=("CONFIG", "OUT", "STEPS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

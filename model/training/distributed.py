@@ -96,6 +96,14 @@ class Processes:
         dist.all_gather_object(out, obj)
         return out
 
+    def gather_to_main(self, obj: T) -> list[T] | None:
+        """Every process's ``obj`` in rank order, on rank 0 (None elsewhere)."""
+        if not self.many:
+            return [obj]
+        out: list[Any] | None = [None] * self.world if self.main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
     def barrier(self) -> None:
         if self.many:
             dist.barrier()

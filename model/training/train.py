@@ -166,13 +166,16 @@ class Trainer:
         d, procs = self.cfg.data, self.procs
         mine = scan(d, procs.rank, procs.world)
         kept = {index: c.kept for index, c in mine.counts.items()}
-        whole = merge_scans(procs.gather(mine), d.sample_pairs)  # (the samples too: small, bounded)
-        self.sample = Parallel([p.src for p in whole.sample], [p.tgt for p in whole.sample])
         self.stream = StreamedCorpus(d, self.cfg.optim.seed, kept, procs.rank, procs.world)
         self.valid_parts = {self.pairs[0]: concat(read_corpus(c, d) for c in d.corpora_of("valid")).head(d.eval_limit)}
         self.valid_text = self.valid_parts[self.pairs[0]]
         self.train_parts = {}
         self.test_text = {c.label: read_corpus(c, d).head(d.eval_limit) for c in d.corpora_of("test")}
+        scans = procs.gather_to_main(mine)  # (samples too: each at most sample_pairs)
+        if scans is None:  # not rank 0: the sample and the report are rank 0's
+            return
+        whole = merge_scans(scans, d.sample_pairs)
+        self.sample = Parallel([p.src for p in whole.sample], [p.tgt for p in whole.sample])
         train = {d.corpora[i].label: {**c.as_dict(), "weight": d.corpora[i].weight} for i, c in whole.counts.items()}
         for name, c in train.items():
             log.info("corpus %s: %d of %d rows kept, dropped %s", name, c["kept"], c["read"], c["dropped"])
@@ -184,8 +187,7 @@ class Trainer:
         }
         if not any(c["kept"] for c in train.values()):
             raise ValueError("[data] corpora: no training pair left after cleaning")
-        if procs.main:
-            (self.out / "data.json").write_text(json.dumps(report, indent=2) + "\n")
+        (self.out / "data.json").write_text(json.dumps(report, indent=2) + "\n")
 
     def _shard(self, text: Parallel) -> Parallel:
         """This process's pairs of an in-memory corpus: every ``world``-th from its rank on."""

@@ -115,8 +115,13 @@ def test_suggestions_fine_tune_the_served_model(tmp_path: Path, data_dir: Path) 
     tuned = tmp_path / "tuned"
     tuned.mkdir()
     (tuned / "de-en").symlink_to(run / "model")
-    with running_server({**env, "TRANSLATOR_WEIGHTS_DIR": str(tuned)}) as url:
-        assert translate(url, sources) == list(CORRECTIONS.values())
-
-    now = held_in_bleu(run / "model", data_dir)
-    assert abs(now - start_bleu) <= 0.5, f"held-in BLEU {start_bleu:.2f} -> {now:.2f}"
+    torch.set_num_threads(1)  # the new model's score on one core while the server starts on the other
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            now = pool.submit(held_in_bleu, run / "model", data_dir)
+            with running_server({**env, "TRANSLATOR_WEIGHTS_DIR": str(tuned)}) as url:
+                assert translate(url, sources) == list(CORRECTIONS.values())
+            now_bleu = now.result()
+    finally:
+        torch.set_num_threads(threads)
+    assert abs(now_bleu - start_bleu) <= 0.5, f"held-in BLEU {start_bleu:.2f} -> {now_bleu:.2f}"

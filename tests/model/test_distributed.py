@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -98,13 +99,21 @@ def config(folder: Path, where: Path, epochs: int = 1, dropout: float = 0.0, spm
 
 
 def torchrun(cfg: Path, out: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``torchrun --nproc-per-node 2 -m model.training.train`` on the CPU (gloo)."""
+    """``torchrun --nproc-per-node 2 -m model.training.train`` on the CPU (gloo), in a process
+    group of its own: its workers go with it should it time out."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     command += ["-m", "model.training.train", "--config", str(cfg), "--out", str(out), "--device", "cpu", "--no-score"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(
-        [*command, *extra], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=300, check=False
-    )
+    with subprocess.Popen(
+        [*command, *extra], cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    ) as proc:  # fmt: skip
+        try:
+            stdout, stderr = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def steps_of(run: Path) -> list[dict[str, float]]:
