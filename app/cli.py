@@ -36,14 +36,10 @@ def _evaluate(argv: list[str]) -> None:
 
 
 def _plot(argv: list[str]) -> None:
-    try:
-        from model.training.plot import main
-    except ModuleNotFoundError as err:
-        if err.name != "matplotlib":
-            raise
-        raise SystemExit(
-            "translator plot needs matplotlib, an optional dependency: pip install 'transformer-translator[plot]'"
-        ) from None
+    # matplotlib (the ``plot`` extra) is imported only to draw: --help works without it, a
+    # picture without it exits with the install hint (model.training.plot.new_figure)
+    from model.training.plot import main
+
     raise SystemExit(main(argv))  # its status: 2 for a bad run folder, text or layer
 
 
@@ -108,7 +104,11 @@ def _bench(argv: list[str]) -> None:
 # name -> (one-line description, runner); serve has its own parser below
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], None] | None]] = {
     "serve": ("serve the checkpoints under the weights folder over HTTP", None),
-    "train": ("train a model from a config in configs/ (reproduces the shipped weights)", _train),
+    "train": (
+        "train a model from a config (configs/ reproduce the shipped weights; your own corpora; --init to "
+        "fine-tune; several processes: torchrun -m model.training.train)",
+        _train,
+    ),
     "evaluate": ("translate a test set and score it with sacreBLEU", _evaluate),
     "plot": (
         "draw a translation's attention heads as heatmaps, or a training run's curves (plot training RUN_DIR)",

@@ -169,8 +169,9 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     kind = argv.pop(0) if argv[:1] and argv[0] in ("load", "decode", "serving") else "load"
+    command = sys.argv[0] if sys.argv[0].startswith("translator") else "python -m bench.plot"
     parser = argparse.ArgumentParser(
-        prog=f"python -m bench.plot {kind}", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=f"{command} {kind}", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     source = "bench.decode" if kind == "decode" else "bench.load"
     parser.add_argument("results", type=Path, nargs="+", help=f"{source} output (JSON lines)")

@@ -80,21 +80,36 @@ def read_parallel(src_path: str | Path, tgt_path: str | Path) -> Parallel:
     return Parallel(src, tgt)
 
 
-def clean(data: Parallel, max_ratio: float = 3.0, max_chars: int = 1000) -> Parallel:
-    """Strip whitespace; drop empty pairs, overlong lines and absurd length ratios."""
+MAX_CHARS = 1000
+
+
+def drop_reason(s: str, t: str, max_ratio: float = 3.0, max_chars: int = MAX_CHARS) -> str | None:
+    """Why cleaning drops a stripped pair: "empty" (a side is), "too_long" (a side over
+    ``max_chars`` characters), "ratio" (one side over ``max_ratio`` times the other's length, the
+    longer over 20 characters); None to keep it. The one rule of ``clean`` and the streamed corpora."""
+    if not s or not t:
+        return "empty"
+    if len(s) > max_chars or len(t) > max_chars:
+        return "too_long"
+    if max(len(s), len(t)) / min(len(s), len(t)) > max_ratio and max(len(s), len(t)) > 20:
+        return "ratio"
+    return None
+
+
+def clean(data: Parallel, max_ratio: float = 3.0, max_chars: int = MAX_CHARS) -> Parallel:
+    """Strip whitespace; drop empty pairs, overlong lines and absurd length ratios (``drop_reason``)."""
     src, tgt = [], []
+    dropped: dict[str, int] = {}
     for s, t in zip(data.src, data.tgt, strict=True):
         s, t = s.strip(), t.strip()
-        if not s or not t or len(s) > max_chars or len(t) > max_chars:
-            continue
-        ratio = max(len(s), len(t)) / min(len(s), len(t))
-        if ratio > max_ratio and max(len(s), len(t)) > 20:
+        reason = drop_reason(s, t, max_ratio, max_chars)
+        if reason is not None:
+            dropped[reason] = dropped.get(reason, 0) + 1
             continue
         src.append(s)
         tgt.append(t)
-    dropped = len(data) - len(src)
     if dropped:
-        log.info("cleaning dropped %d of %d pairs", dropped, len(data))
+        log.info("cleaning dropped %d of %d pairs: %s", len(data) - len(src), len(data), dropped)
     return Parallel(src, tgt)
 
 

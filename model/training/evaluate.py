@@ -35,7 +35,7 @@ from model.engine.allocator import tune_malloc
 from model.engine.options import DecodingOptions
 from model.engine.translator import Translator
 from model.network.precision import PRECISIONS
-from model.training.data import read_lines, read_parallel, split_file, write_lines
+from model.training.data import Parallel, read_lines, read_parallel, split_file, write_lines
 from model.training.multi30k import default_dir, ensure_split_files
 from model.training.progress import progress
 
@@ -108,14 +108,24 @@ def measure_checkpoint(
     """Greedy and recommended-beam scores of a checkpoint on several splits (for metrics.json);
     ``limit`` > 0 scores only the first sentences of each split (smoke runs); a many-to-many
     model's sources are led by the target's tag (``Checkpoint.source_prefix``)."""
+    sets = {
+        split: read_parallel(split_file(data_dir, split, source), split_file(data_dir, split, target)).head(limit)
+        for split in splits
+    }
+    return measure_sets(folder, sets, source, target, device)
+
+
+def measure_sets(
+    folder: Path, sets: dict[str, Parallel], source: str, target: str, device: str = "cpu"
+) -> dict[str, Any]:
+    """``measure_checkpoint`` on parallel texts in memory, by name (a run's own corpora)."""
     ckpt = loading.load(folder, device)
     translator = Translator(ckpt.model, ckpt.tokenizer, ckpt.source_prefix(target))
     direction = f"{source}-{target}"
     beam = loading.decoding_options(ckpt.meta, direction=direction)
     greedy = loading.decoding_options(ckpt.meta, 1, direction=direction)
     out: dict[str, Any] = {}
-    for split in splits:
-        data = read_parallel(split_file(data_dir, split, source), split_file(data_dir, split, target)).head(limit)
+    for split, data in sets.items():
         for name, options in (("greedy", greedy), (f"beam{beam.beam_size}", beam)):
             result = evaluate(translator, data.src, data.tgt, options)
             keys = ("bleu", "bleu_lc", "chrf", "sentences", "signatures")

@@ -26,11 +26,9 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from matplotlib.axes import Axes
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from model import checkpoint
 from model.engine import loading
@@ -38,6 +36,13 @@ from model.engine.options import DecodingOptions
 from model.engine.translator import AttentionResult, Translator
 from model.network.attention_words import merge_map, merge_pieces
 from model.network.config import ModelConfig
+
+if TYPE_CHECKING:  # matplotlib is the optional ``plot`` extra: imported where a picture is drawn,
+    # so every command's --help (and ``translator plot --help``) runs in an install without it
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+INSTALL_HINT = "translator plot needs matplotlib, an optional dependency: pip install 'transformer-translator[plot]'"
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +94,28 @@ def layer_maps(result: AttentionResult, kind: str, layer: int, level: str = "sub
     return LayerMaps(kind, layer, maps, tuple(queries), tuple(keys))
 
 
+def require_matplotlib() -> None:
+    """``SystemExit`` with the install hint where matplotlib is missing (the commands call it once
+    their arguments are parsed, so --help never needs it)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError as err:
+        if err.name != "matplotlib":
+            raise
+        raise SystemExit(INSTALL_HINT) from None
+
+
+def new_figure(figsize: tuple[float, float]) -> Figure:
+    """A constrained-layout figure on the Agg canvas (no display)."""
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
 def grid_shape(heads: int) -> tuple[int, int]:
     """(rows, cols): 2 columns up to 4 heads, 4 beyond (the 8-head figure is 2 x 4)."""
     cols = 1 if heads == 1 else 2 if heads <= 4 else 4
@@ -101,8 +128,7 @@ def plot_layer(selected: LayerMaps, title: str = "", heads: Sequence[int] | None
     names = list(heads) if heads is not None else list(range(n_heads))
     rows, cols = grid_shape(n_heads)
     panel_w, panel_h = max(3.0, 0.24 * n_keys + 1.2), max(2.6, 0.24 * n_queries + 1.0)
-    fig = Figure(figsize=(cols * panel_w + 1.0, rows * panel_h + 1.0), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = new_figure(figsize=(cols * panel_w + 1.0, rows * panel_h + 1.0))
     vmax = max(float(selected.maps.max()), 1e-6)
     image = None
     for index in range(n_heads):
@@ -180,8 +206,7 @@ def plot_training(records: Sequence[dict[str, float]], title: str = "") -> Figur
     """Three panels over epochs: training and validation loss per token, the learning rate at
     the end of each epoch, and validation BLEU (greedy) with its best epoch marked."""
     epochs = [int(r["epoch"]) for r in records]
-    fig = Figure(figsize=(13, 3.8), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = new_figure(figsize=(13, 3.8))
     loss, lr, bleu = (fig.add_subplot(1, 3, i + 1, label=name) for i, name in enumerate(("loss", "lr", "bleu")))
     loss.plot(epochs, [r["train_loss"] for r in records], marker="o", label="train")
     loss.plot(epochs, [r["valid_loss"] for r in records], marker="o", label="validation")
@@ -211,6 +236,7 @@ def training_main(argv: Sequence[str]) -> int:
     parser.add_argument("--out", type=Path, help="image file to write (default: RUN_DIR/training.png)")
     parser.add_argument("--dpi", type=int, default=120)
     args = parser.parse_args(argv)
+    require_matplotlib()
     try:
         fig = plot_training(read_log(args.run_dir), title=f"training run {args.run_dir.resolve().name}")
     except ValueError as err:
@@ -251,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["training"]:
         return training_main(argv[1:])
     args = parse_args(argv[1:] if argv[:1] == ["attention"] else argv)
+    require_matplotlib()
     try:
         ckpt = loading.load(args.weights)
         translator = Translator(ckpt.model, ckpt.tokenizer)

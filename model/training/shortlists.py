@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from model.checkpoint import SPM, CheckpointError, model_config, read_meta
 from model.engine import shortlist
 from model.network.tokenizer import Tokenizer
-from model.training.data import read_parallel, split_file
+from model.training.data import Parallel, read_parallel, split_file
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,21 @@ def write_shortlist(
     files = split_file(folder, split, source), split_file(folder, split, target)
     if not all(f.is_file() for f in files):
         raise CheckpointError(f"{files[0]}, {files[1]}: training data not found (pass its folder)")
+    return write_shortlist_from(path, read_parallel(*files), split, per_source, frequent)
+
+
+def write_shortlist_from(
+    path: str | Path,
+    pairs: Parallel,
+    split: str,
+    per_source: int = shortlist.PER_SOURCE,
+    frequent: int = shortlist.FREQUENT,
+) -> Path:
+    """``write_shortlist`` from parallel text in memory (``split`` names it in the file's
+    metadata): a run on streamed corpora builds it from its sample of training pairs."""
+    path = Path(path)
+    meta = read_meta(path)
     cfg, tokenizer = model_config(meta, path), Tokenizer.load(path / SPM)
-    pairs = read_parallel(*files)
     table = shortlist.build(
         zip(tokenizer.encode(pairs.src), tokenizer.encode(pairs.tgt), strict=True),
         tokenizer.vocab_size,

@@ -77,3 +77,63 @@ def test_bench_lists_and_runs_the_benchmarks() -> None:
         assert f"    {name} " in listing.stdout
     out = cli("bench", "load", "--help")
     assert out.returncode == 0 and out.stdout.startswith("usage: translator bench load") and "--url" in out.stdout
+
+
+# In a fresh interpreter where matplotlib cannot be imported (as in an install without the ``plot``
+# extra: a finder ahead of the others answers ModuleNotFoundError, like a module that is not
+# there), each command line runs through ``app.cli.main``; -> [exit status, stdout, stderr] each.
+WITHOUT_MATPLOTLIB = """
+import contextlib, importlib.abc, io, json, sys
+
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "matplotlib":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, Missing())
+from app.cli import main
+
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else str(exit.code))
+    results.append([code, out.getvalue(), err.getvalue()])
+assert "matplotlib" not in sys.modules
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow  # one interpreter, ~8 s: every command line in it
+def test_every_help_works_without_the_plot_extra(tmp_path: Path) -> None:
+    """``translator plot --help`` and every other command's help print their usage in an install
+    without matplotlib; drawing without it exits with the install hint, naming the extra."""
+    import json
+
+    from app.cli import BENCHMARKS
+
+    record = {"epoch": 1, "train_loss": 2.0, "valid_loss": 2.1, "valid_bleu": 3.0, "lr": 1e-3}
+    (tmp_path / "log.jsonl").write_text(json.dumps(record) + "\n")
+    helps = [[name, "--help"] for name in COMMANDS] + [
+        ["plot", "training", "--help"],
+        ["plot", "attention", "--help"],
+        ["data", "multi30k", "--help"],
+        ["suggestions", "export", "--help"],
+        *[["bench", name, "--help"] for name in BENCHMARKS],
+    ]
+    argvs = [["--help"], *helps, ["plot", "training", str(tmp_path)]]
+    out = subprocess.run(
+        [sys.executable, "-c", WITHOUT_MATPLOTLIB, json.dumps(argvs)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.splitlines()[-1])
+    for argv, (code, stdout, stderr) in zip(argvs[:-1], results[:-1], strict=True):
+        assert code == 0 and stdout.startswith("usage: translator"), (argv, code, stderr[-2000:])
+    code, _, _ = results[-1]
+    assert isinstance(code, str) and "pip install 'transformer-translator[plot]'" in code
+    assert not (tmp_path / "training.png").exists()
