@@ -225,7 +225,7 @@ def item_detail(legs: Sequence[TranslationService], item: ItemResult) -> ItemDet
             SentenceDetail(
                 source=s.source,
                 translation=tokenizer.decode([best.ids])[0],
-                source_tokens=tuple(tokenizer.pieces(s.source_ids)),
+                source_tokens=tuple(tokenizer.source_pieces(s.source_ids)),
                 target_tokens=tuple(tokenizer.pieces(best.ids)),
                 score=round(best.score, 4),
                 truncated=not best.finished,

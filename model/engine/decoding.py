@@ -229,6 +229,8 @@ class DecodeSession:
         if shortlist is not None and shortlist.vocab_size != model.config.tgt_vocab_size:
             vocab = model.config.tgt_vocab_size
             raise ValueError(f"shortlist of {shortlist.vocab_size} pieces for a vocabulary of {vocab}")
+        if shortlist is not None and model.output_bias is not None:
+            raise ValueError("a shortlist scores the output projection's rows without a bias; this model has one")
         if shortlist is not None and model.output_matrix().is_meta:
             raise ValueError("a shortlist needs the output matrix's float rows (this model released them)")
         self.model, self.options, self.k = model, options, options.beam_size

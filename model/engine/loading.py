@@ -141,8 +141,8 @@ def use_shortlist(ckpt: Checkpoint, wanted: bool = True) -> Shortlist | None:
     whole-vocabulary projection leaves the decoding path (``shortlist_output``): decoding scores
     the rows the shortlist gathers from the token table, and only the rare teacher-forced pass
     (``/attention``) projects onto every piece. Call before decoding with the model."""
-    if not wanted or ckpt.plan.precision == "int8":
-        return None
+    if not wanted or ckpt.plan.precision == "int8" or ckpt.model.output_bias is not None:
+        return None  # (a shortlist scores gathered rows without a bias: none for models with one)
     found = load_shortlist(ckpt.path, ckpt.config.tgt_vocab_size)
     if found is not None:
         released = shortlist_output(ckpt.model)
@@ -198,7 +198,7 @@ def release_output_projection(model: Transformer, int8: ModuleType | None = None
     hold an int8 projection instead of fbgemm's packed copy.
     -> bytes released."""
     out = model.output_matrix()
-    packed = kernels.packed_kernel(model.kernel, out, None, int8=int8)
+    packed = kernels.packed_kernel(model.kernel, out, model.output_bias, int8=int8)
     if packed is None:
         return 0
     model.kernel = packed

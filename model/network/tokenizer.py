@@ -82,8 +82,21 @@ class Tokenizer:
         return ids, spans
 
     def pieces(self, ids: Sequence[int]) -> list[str]:
-        """Ids to sentencepiece pieces (word starts carry the '▁' marker)."""
+        """Target ids to sentencepiece pieces (word starts carry the '▁' marker)."""
         return [str(self.sp.id_to_piece(int(i))) for i in ids]
+
+    def source_pieces(self, ids: Sequence[int]) -> list[str]:
+        """Source ids to pieces: the same as ``pieces`` for a joint vocabulary (a tokenizer with a
+        source vocabulary of its own, ``model.network.vocabulary``, says otherwise)."""
+        return self.pieces(ids)
+
+    def files(self) -> dict[str, bytes]:
+        """What a checkpoint folder stores of it, by file name (``model.checkpoint.save``)."""
+        return {"spm.model": self.model_proto}
+
+    def describe(self) -> dict[str, Any]:
+        """config.json's "tokenizer" section (``model.checkpoint.save``; ``load_tokenizer`` reads it)."""
+        return {"type": "sentencepiece", "file": "spm.model", "vocab_size": self.vocab_size}
 
 
 def target_tag(lang: str) -> str:
