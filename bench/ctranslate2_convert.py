@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from ctranslate2.converters.converter import Converter
 from ctranslate2.specs import common_spec, transformer_spec
 from torch import nn
 
@@ -140,6 +141,19 @@ def build_spec(model: Transformer, tokenizer: Tokenizer) -> transformer_spec.Tra
     config.layer_norm_epsilon = cfg.layer_norm_eps
     spec.validate()
     return spec
+
+
+class CheckpointConverter(Converter):  # type: ignore[misc]
+    """CTranslate2's own ``Converter`` (validate, optimize, quantize, save the vocabularies and
+    config) over a checkpoint folder's spec (``build_spec``): the way CTranslate2's converters for
+    other frameworks turn a model into a CTranslate2 folder, e.g. for an Argos Translate package."""
+
+    def __init__(self, checkpoint_dir: str | Path) -> None:
+        self.checkpoint_dir = checkpoint_dir
+
+    def _load(self) -> transformer_spec.TransformerSpec:
+        ckpt = loading.load(self.checkpoint_dir, "cpu", keep_float_weights=True)
+        return build_spec(ckpt.model, ckpt.tokenizer)
 
 
 def convert(
