@@ -9,7 +9,6 @@ hundred sentences, on the fused kernels and on the tensor operations. Then the s
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from collections.abc import Iterator
@@ -29,24 +28,10 @@ from model.imports import UnsupportedModel
 from model.imports import main as import_main
 from model.imports import read as import_read
 from model.training.data import read_lines
-from tests.factories import marian_folder, start
-from tests.helpers import require
+from tests.factories import start
 
 LIMIT = 10  # generated tokens per sentence
 PAD, EOS = 300, 0  # marian_folder's: <pad> after the 300 pieces, </s> first
-
-
-@pytest.fixture(scope="module")
-def marian_dir(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
-    require(importlib.util.find_spec("transformers") is not None, "transformers is not installed (dev extra)")
-    return marian_folder(tmp_path_factory.mktemp("marian") / "opus-mt", read_lines(data_dir / "train.de.gz")[:3000])
-
-
-@pytest.fixture(scope="module")
-def imported(marian_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("weights") / "de-en"
-    import_main([str(marian_dir), "--out", str(out)])
-    return out
 
 
 @pytest.fixture(scope="module")
