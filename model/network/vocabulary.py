@@ -13,7 +13,7 @@ from typing import Any
 
 import sentencepiece as spm
 
-from model.network.tokenizer import Tokenizer, TokenizerError
+from model.network.tokenizer import Tokenizer, TokenizerError, piece_spans
 
 SOURCE_SPM, TARGET_SPM, VOCABULARY = "source.spm", "target.spm", "vocabulary.json"
 WORD_START = "\u2581"
@@ -114,15 +114,9 @@ class VocabularyTokenizer(Tokenizer):
         code, rest = language_code(text)
         offset = 0 if code is None else len(code)
         ids, spans = ([], []) if code is None else (self._ids([code]), [(0, offset)])
-        proto = self.source_sp.encode(rest, return_type="proto")
-        raw = rest.encode("utf-8")
-        for piece in proto.pieces:
-            start = len(raw[: piece.begin].decode("utf-8", errors="ignore"))
-            end = len(raw[: piece.end].decode("utf-8", errors="ignore"))
-            while start < end and rest[start].isspace():
-                start += 1
-            ids.append(self._source_ids.get(piece.piece, self.unk_id))
-            spans.append((start + offset, end + offset))
+        pieces = self.source_sp.encode(rest, return_type="proto").pieces
+        ids += self._ids([piece.piece for piece in pieces])
+        spans += [(start + offset, end + offset) for start, end in piece_spans(pieces, rest)]
         return ids, spans
 
     def files(self) -> dict[str, bytes]:

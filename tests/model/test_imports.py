@@ -20,7 +20,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from app.settings import Settings
-from model.engine import loading
+from model.engine import kernels, loading
 from model.engine.batches import pad
 from model.engine.options import DecodingOptions
 from model.engine.translator import Translator
@@ -179,3 +179,18 @@ def test_served_like_a_shipped_direction(client: TestClient, imported: Path, sen
     body = maps.json()
     assert body["source_tokens"][-1] == "</s>" and body["translatedText"] == expected[0].text
     assert len(body["attention"]["cross"][0][0]) == len(body["target_tokens"])
+    words = client.post("/attention", json={"q": sentences[0], "source": "de", "target": "en", "level": "word"})
+    assert words.status_code == 200, words.text
+    assert words.json()["source_tokens"][:3] == sentences[0].split()[:3]  # spans of the imported pieces
+
+
+def test_runs_in_int8_like_a_shipped_model(imported: Path, sentences: list[str]) -> None:
+    """int8 (the engine's own quantization) takes the imported options too: the output bias, swish."""
+    try:
+        ckpt = loading.load(imported, precision="int8")
+    except kernels.UnsupportedPrecision:
+        pytest.skip("int8 does not run on this CPU")
+    options = DecodingOptions(beam_size=2, max_length_a=0.0, max_length_b=LIMIT)
+    out = Translator(ckpt.model, ckpt.tokenizer).translate(sentences[:8], options)
+    assert all(PAD not in ckpt.tokenizer.encode([t.text])[0] for t in out)
+    assert ckpt.model.output_bias is not None and torch.isinf(ckpt.model.output_bias[PAD])
