@@ -30,7 +30,7 @@ from model.engine.translator import Translator
 from model.training.data import MULTI30K_DIR, read_lines
 
 # (no_repeat_ngram_size, repetition_penalty): off, then the candidates, strongest first
-CANDIDATES = [(0, 1.0), (3, 1.0), (4, 1.0)]
+CANDIDATES = [(0, 1.0), (4, 1.0)]
 # Text the shipped models were not trained on (two from issue 74), with German references.
 OUT_OF_DOMAIN = [
     ("Dear Sir or Madam, I am writing to complain about the delayed delivery of my order.",
@@ -70,6 +70,18 @@ def loops(ids: tuple[int, ...]) -> bool:
         return True
     return any(
         ids[i : i + n] == ids[i + n : i + 2 * n] for n in range(2, n_max + 1) for i in range(len(ids) - 2 * n + 1)
+    )
+
+
+def runaway(ids: tuple[int, ...]) -> bool:
+    """A runaway loop, as in issue 74's example: a piece five times in a row, or an n-gram (n >= 2)
+    three times in a row. ``no_repeat_ngram_size`` 4 rules both out (each would repeat a 4-gram)."""
+    if any(len(set(ids[i : i + 5])) == 1 for i in range(len(ids) - 4)):
+        return True
+    return any(
+        ids[i : i + n] == ids[i + n : i + 2 * n] == ids[i + 2 * n : i + 3 * n]
+        for n in range(2, len(ids) // 3 + 1)
+        for i in range(len(ids) - 3 * n + 1)
     )
 
 

@@ -3,6 +3,7 @@ how sure the model was (a 0-100 confidence per item and per sentence)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def pieces(client: TestClient, **options: object) -> list[str]:
 
 def test_no_repeat_ngram_size_per_request(client: TestClient) -> None:
     plain = pieces(client)
-    assert any(a == b for a, b in zip(plain, plain[1:], strict=False))  # the random model repeats itself
+    assert any(a == b for a, b in itertools.pairwise(plain))  # the random model repeats itself
     blocked = pieces(client, no_repeat_ngram_size=1)  # no piece twice in a sentence
     assert blocked != plain
     assert pieces(client, repetition_penalty=1.0, no_repeat_ngram_size=0) == plain
