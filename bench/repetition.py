@@ -3,7 +3,7 @@ relate the per-sentence confidence to sentence-level chrF (docs/decoding.md).
 
     python -m bench.repetition --weights weights --out docs/results/repetition.jsonl
 
-For every checkpoint (a many-to-many one on de-en and en-de): val BLEU at the card's beam with
+For every checkpoint (a many-to-many one on ``--pairs``, directions it serves): val BLEU at the card's beam with
 each candidate (``no_repeat_ngram_size``, ``repetition_penalty``) in turn, strongest first, until
 one's val BLEU is within ``--budget`` of none: that one is chosen (none where no candidate is);
 test_2016 BLEU and decoding time with none and with it; and whether the out-of-domain sentences
@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=0.1, help="val BLEU a candidate may cost")
     parser.add_argument("--out", type=Path, required=True, help="JSON lines, one per direction")
     parser.add_argument("--models", nargs="*", help="checkpoint folder names (default: all)")
+    parser.add_argument(
+        "--pairs", default="de-fr", help="a many-to-many model's directions to measure (comma-separated)"
+    )
     parser.add_argument("--confidence", type=Path, help="also write per-sentence confidence and chrF here (en-de)")
     parser.add_argument("--plot", type=Path, help="only draw --confidence's rows into this image (and print the bands)")
     args = parser.parse_args(argv)
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.models and path.name not in args.models:
                 continue
             served = checkpoint.directions(checkpoint.read_meta(path))
-            pairs = [p for p in served if "-".join(p) in ("de-en", "en-de")] if len(served) > 1 else served
+            pairs = [p for p in served if "-".join(p) in args.pairs.split(",")] if len(served) > 1 else served
             for pair in pairs:
                 row = direction_rows(path, pair, args.budget, args.data_dir)
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -22,6 +22,7 @@ class TranslatedHypothesis:
     pieces: tuple[str, ...]
     score: float
     finished: bool
+    confidence: int  # 0-100 (``Hypothesis.confidence``)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ class Translator:
         return Translation(
             tuple(self.tokenizer.source_pieces(src_ids)),
             tuple(
-                TranslatedHypothesis(t, tuple(self.tokenizer.pieces(h.ids)), h.score, h.finished)
+                TranslatedHypothesis(t, tuple(self.tokenizer.pieces(h.ids)), h.score, h.finished, h.confidence)
                 for t, h in zip(texts, hyps, strict=True)
             ),
         )
