@@ -43,6 +43,12 @@ def _plot(argv: list[str]) -> None:
     raise SystemExit(main(argv))  # its status: 2 for a bad run folder, text or layer
 
 
+def _import(argv: list[str]) -> None:
+    from model.imports import main
+
+    main(argv)
+
+
 def _suggestions(argv: list[str]) -> None:
     from app.storage.suggestions import main
 
@@ -115,6 +121,10 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], None] | None]] = {
         _plot,
     ),
     "data": ("download and verify a data set: translator data multi30k", _data),
+    "import": (
+        "import an OPUS-MT (Marian) folder or an Argos Translate package: translator import PATH --out DIR",
+        _import,
+    ),
     "suggestions": ("export the translations users suggested (POST /suggest) as a parallel corpus", _suggestions),
     "bench": ("run a benchmark from bench/ (decode, load, overload, soak, ...)", _bench),
 }

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from ctranslate2.converters.converter import Converter
 from ctranslate2.specs import common_spec, transformer_spec
 from torch import nn
 
@@ -40,6 +40,12 @@ from model.network.tokenizer import Tokenizer
 from model.network.transformer import DecoderLayer, Embedding, EncoderLayer, FeedForward, Transformer
 
 log = logging.getLogger(__name__)
+
+ACTIVATIONS = {
+    "relu": common_spec.Activation.RELU,
+    "swish": common_spec.Activation.SWISH,
+    "gelu": common_spec.Activation.GELU,
+}
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
@@ -81,7 +87,7 @@ def _set_embeddings(spec: Any, embed: Embedding, d_model: int) -> None:
     """Token matrix, sqrt(D) scale and the position table (max_positions, D)."""
     table = embed.learned.weight if embed.learned is not None else embed.table
     assert table is not None
-    spec.scale_embeddings = math.sqrt(d_model)
+    spec.scale_embeddings = embed.scale  # sqrt(D), or 1 (ModelConfig.scale_embeddings)
     spec.position_encodings.encodings = _array(table)
     embeddings = spec.embeddings
     target = embeddings[0] if isinstance(embeddings, list) else embeddings
@@ -122,11 +128,13 @@ def build_spec(model: Transformer, tokenizer: Tokenizer) -> transformer_spec.Tra
     cfg = model.config
     if cfg.src_vocab_size != tokenizer.vocab_size or cfg.tgt_vocab_size != tokenizer.vocab_size:
         raise ValueError("CTranslate2 conversion needs the joint vocabulary of the checkpoint's tokenizer")
+    if cfg.output_bias or not cfg.source_eos or cfg.bos_id == cfg.pad_id:
+        raise ValueError("CTranslate2 conversion maps the shipped models' layout (no output bias, source EOS, BOS)")
     spec = transformer_spec.TransformerSpec.from_config(
         (cfg.encoder_layers, cfg.decoder_layers),
         cfg.n_heads,
         pre_norm=cfg.norm_first,
-        activation=common_spec.Activation.RELU,
+        activation=ACTIVATIONS[cfg.activation],
     )
     _set_encoder(spec.encoder, model)
     _set_decoder(spec.decoder, model)
@@ -140,6 +148,19 @@ def build_spec(model: Transformer, tokenizer: Tokenizer) -> transformer_spec.Tra
     config.layer_norm_epsilon = cfg.layer_norm_eps
     spec.validate()
     return spec
+
+
+class CheckpointConverter(Converter):  # type: ignore[misc]
+    """CTranslate2's own ``Converter`` (validate, optimize, quantize, save the vocabularies and
+    config) over a checkpoint folder's spec (``build_spec``): the way CTranslate2's converters for
+    other frameworks turn a model into a CTranslate2 folder, e.g. for an Argos Translate package."""
+
+    def __init__(self, checkpoint_dir: str | Path) -> None:
+        self.checkpoint_dir = checkpoint_dir
+
+    def _load(self) -> transformer_spec.TransformerSpec:
+        ckpt = loading.load(self.checkpoint_dir, "cpu", keep_float_weights=True)
+        return build_spec(ckpt.model, ckpt.tokenizer)
 
 
 def convert(

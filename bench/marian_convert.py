@@ -36,6 +36,8 @@ class UnsupportedModel(ValueError):
 
 def marian_config(cfg: ModelConfig) -> MarianConfig:
     """A ``MarianConfig`` describing the same network as ``cfg`` (post-LN only)."""
+    if cfg.output_bias or not cfg.source_eos:
+        raise UnsupportedModel("the mapping writes no output bias and appends EOS to sources")
     if cfg.norm_first:
         raise UnsupportedModel(
             "MarianMTModel is post-LN only; this checkpoint is pre-LN (norm_first=True) and cannot be mapped"
@@ -53,8 +55,8 @@ def marian_config(cfg: ModelConfig) -> MarianConfig:
         decoder_attention_heads=cfg.n_heads,
         encoder_ffn_dim=cfg.d_ff,
         decoder_ffn_dim=cfg.d_ff,
-        activation_function="relu",
-        scale_embedding=True,
+        activation_function=cfg.activation,
+        scale_embedding=cfg.scale_embeddings,
         dropout=0.0,
         attention_dropout=0.0,
         activation_dropout=0.0,

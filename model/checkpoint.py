@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from model.network.config import ModelConfig
 from model.network.tokenizer import Tokenizer, TokenizerError
 from model.network.transformer import Transformer
+from model.network.vocabulary import VocabularyTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +71,13 @@ def save(
     for i, shard in enumerate(shards, 1):
         name = WEIGHTS if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(path / name), metadata={"format": "pt"})
-    (path / SPM).write_bytes(tokenizer.model_proto)
+    for name, data in tokenizer.files().items():
+        (path / name).write_bytes(data)
     config = {
         **(meta or {}),
         "format_version": FORMAT_VERSION,
         "model": model.config.to_dict(),
-        "tokenizer": {"type": "sentencepiece", "file": SPM, "vocab_size": tokenizer.vocab_size},
+        "tokenizer": tokenizer.describe(),
         "storage_dtype": str(dtype).removeprefix("torch."),
     }
     (path / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
@@ -161,17 +163,41 @@ def read(path: str | Path) -> Folder:
         raise CheckpointError(f"{path}: checkpoint folder not found")
     meta = read_meta(path)
     config = model_config(meta, path)
-    try:
-        tokenizer = Tokenizer.load(path / SPM)
-    except TokenizerError as err:
-        raise CheckpointError(f"{path / SPM}: {err}") from err
+    tokenizer = load_tokenizer(path, meta)
     if tokenizer.vocab_size != config.tgt_vocab_size:
         raise CheckpointError(
-            f"{path / SPM}: vocabulary of {tokenizer.vocab_size} pieces, but {CONFIG} says {config.tgt_vocab_size}"
+            f"{path}: vocabulary of {tokenizer.vocab_size} pieces, but {CONFIG} says {config.tgt_vocab_size}"
+        )
+    source = getattr(tokenizer, "source_vocab_size", tokenizer.vocab_size)
+    if source != config.src_vocab_size:
+        raise CheckpointError(
+            f"{path}: source vocabulary of {source} pieces, but {CONFIG} says {config.src_vocab_size}"
         )
     model = Transformer(config)
     load_weights(model, path)
     return Folder(model, tokenizer, meta, path)
+
+
+def load_tokenizer(path: Path, meta: dict[str, Any]) -> Tokenizer:
+    """The folder's tokenizer as config.json's "tokenizer" section describes it: one sentencepiece
+    model whose ids are the model's (``spm.model``, the default), or sentencepiece models with a
+    vocabulary of their own (``model.network.vocabulary``: imported models)."""
+    section = meta.get("tokenizer") or {}
+    if section.get("type", "sentencepiece") == "sentencepiece":
+        try:
+            return Tokenizer.load(path / SPM)
+        except TokenizerError as err:
+            raise CheckpointError(f"{path / SPM}: {err}") from err
+    try:
+        if section["type"] == "vocabulary":
+            files = [path / section[key] for key in ("source_spm", "target_spm", "vocabulary")]
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise TokenizerError(f"missing {', '.join(missing)}")
+            return VocabularyTokenizer.from_files(*(f.read_bytes() for f in files))
+        raise TokenizerError(f"unknown tokenizer type {section['type']!r}")
+    except (TokenizerError, KeyError) as err:
+        raise CheckpointError(f"{path / CONFIG} (tokenizer): {err}") from err
 
 
 def load_metadata(file: Path) -> dict[str, str]:

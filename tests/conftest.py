@@ -3,6 +3,7 @@ real redis-server; and the hook that makes every costly test ``slow`` (pyproject
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from model.engine.features import detected, fused_variant
 from model.network.tokenizer import Tokenizer, train_tokenizer
 from model.network.transformer import Transformer
 from model.training.data import MULTI30K_DIR, read_lines
-from tests.factories import tiny_config
+from tests.factories import marian_folder, tiny_config
 from tests.helpers import SHIPPED, require
 
 DATA = MULTI30K_DIR
@@ -74,6 +75,23 @@ def tiny_weights_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: T
     meta = {"source_lang": "de", "target_lang": "en", "decoding": {"beam_size": 2, "length_penalty": 0.6}}
     checkpoint.save(root / "de-en", model, tiny_tokenizer, meta)
     return root
+
+
+@pytest.fixture(scope="session")
+def marian_dir(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
+    """A random OPUS-MT-style folder, as ``save_pretrained`` writes it (``tests.factories.marian_folder``)."""
+    require(importlib.util.find_spec("transformers") is not None, "transformers is not installed (dev extra)")
+    return marian_folder(tmp_path_factory.mktemp("marian") / "opus-mt", read_lines(data_dir / "train.de.gz")[:3000])
+
+
+@pytest.fixture(scope="session")
+def imported(marian_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``marian_dir`` imported (``translator import``) as the checkpoint folder weights/de-en."""
+    from model.imports import main
+
+    out = tmp_path_factory.mktemp("weights") / "de-en"
+    main([str(marian_dir), "--out", str(out)])
+    return out
 
 
 @pytest.fixture(scope="session")

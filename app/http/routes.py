@@ -59,6 +59,7 @@ from app.serving import translate as use_case
 from app.serving.errors import ApiError
 from app.serving.translate import check_texts, limited_options
 from model.engine.allocator import active_malloc
+from model.engine.options import Repetition
 
 STATIC = Path(__file__).parents[1] / "static"
 LANGUAGE_NAMES = {"de": "German", "en": "English", "fr": "French", "cs": "Czech"}
@@ -130,6 +131,7 @@ async def translate(request: Request) -> Response:
         beam_size=payload.beam_size,
         max_length=payload.max_length,
         details=payload.details,
+        repetition=Repetition(payload.repetition_penalty, payload.no_repeat_ngram_size),
     )
     result = await use_case.translate(query, state, functools.partial(until_disconnect, request, state))
     answer = translate_response(isinstance(payload.q, str), result)

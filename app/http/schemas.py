@@ -27,6 +27,13 @@ class TranslateRequest(BaseModel):
         None, ge=1, description="default: the model card's beam size; widened to alternatives + 1 when smaller"
     )
     max_length: int | None = Field(None, ge=1, description="most tokens to generate per sentence")
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=10, description="penalize pieces already generated (CTranslate2's and transformers' "
+        "meaning; 1: off); default: the model card's"
+    )
+    no_repeat_ngram_size: int | None = Field(
+        None, ge=0, le=16, description="never repeat an n-gram of this many pieces (0: off); default: the model card's"
+    )
     details: bool = Field(False, description="add tokens, scores, token counts and timings per item")
     api_key: str | None = Field(None, description="LibreTranslate-style API key (or X-API-Key header)")
 
@@ -37,6 +44,7 @@ class SentenceDetails(BaseModel):
     source_tokens: list[str]
     target_tokens: list[str]
     score: float
+    confidence: int = Field(description="0-100: geometric mean of the pieces' probabilities (docs/confidence.md)")
     truncated: bool
     cached: bool
 
@@ -49,6 +57,7 @@ class Timings(BaseModel):
 class ItemDetails(BaseModel):
     tokens: list[str] = Field(description="target tokens of the best translation, all sentences")
     score: float = Field(description="mean length-normalized log-probability over sentences")
+    confidence: int = Field(description="0-100: the least confident sentence's (docs/confidence.md)")
     source_token_count: int
     target_token_count: int
     truncated: bool = Field(description="a sentence hit the length limit without ending")

@@ -29,7 +29,7 @@ from model.engine.allocator import release_free_memory
 from model.engine.binding import step_dtype
 from model.engine.decoding import Hypothesis
 from model.engine.kernels import KernelPlan
-from model.engine.options import DecodingOptions
+from model.engine.options import DecodingOptions, Repetition
 from model.engine.translator import AttentionResult, Translator
 from model.network.attention_words import merge_pieces, word_alignment
 from model.network.precision import resolve_precision
@@ -204,10 +204,12 @@ class TranslationService:
         return self.scheduler.submit([[*self.prefix, *ids] for ids in sentences], options)
 
     # --- translation ----------------------------------------------------------------------
-    def decoding_options(self, beam_size: int | None, n_best: int, max_length: int | None) -> DecodingOptions:
+    def decoding_options(
+        self, beam_size: int | None, n_best: int, max_length: int | None, repetition: Repetition | None = None
+    ) -> DecodingOptions:
         """A request's options on top of this model card's decoding (``loading.decoding_options``,
         as ``model.training.evaluate`` builds them); the server's limits are checked at the HTTP edge."""
-        return loading.decoding_options(self.meta, beam_size, n_best, max_length, self.direction)
+        return loading.decoding_options(self.meta, beam_size, n_best, max_length, self.direction, repetition)
 
     def prepare(self, texts: Sequence[str]) -> tuple[list[list[Segment]], list[Sentence]]:
         """Segment and tokenize: each text's segments, and every sentence of every text in

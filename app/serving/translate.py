@@ -29,7 +29,7 @@ from app.serving.pivots import Legs
 from app.serving.service import ItemResult, TranslationService
 from app.serving.state import AppState
 from app.settings import Settings
-from model.engine.options import DecodingOptions
+from model.engine.options import DecodingOptions, Repetition
 
 T = TypeVar("T")
 DETECT_CHARS = 10_000  # of a document's text, for source "auto" (enough to tell; bounded work)
@@ -53,6 +53,7 @@ class Query:
     beam_size: int | None = None
     max_length: int | None = None
     details: bool = False
+    repetition: Repetition | None = None  # the request's repetition options (None: the model card's)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class SentenceDetail:
     source_tokens: tuple[str, ...]
     target_tokens: tuple[str, ...]
     score: float
+    confidence: int
     truncated: bool
     cached: bool
 
@@ -78,6 +80,7 @@ class ItemDetail:
 
     tokens: tuple[str, ...]
     score: float
+    confidence: int
     source_token_count: int
     target_token_count: int
     truncated: bool
@@ -122,13 +125,18 @@ def check_texts(texts: Sequence[str], settings: Settings) -> None:
 
 
 def limited_options(
-    service: TranslationService, settings: Settings, beam_size: int | None, n_best: int, max_length: int | None
+    service: TranslationService,
+    settings: Settings,
+    beam_size: int | None,
+    n_best: int,
+    max_length: int | None,
+    repetition: Repetition | None = None,
 ) -> DecodingOptions:
     """The request's options on top of the model card's (``TranslationService.decoding_options``),
     within this server's limits (400)."""
     if n_best - 1 > settings.max_alternatives:
         raise ApiError(BAD_REQUEST, "validation_error", f"alternatives: at most {settings.max_alternatives}")
-    options = service.decoding_options(beam_size, n_best, max_length)  # a narrower beam widened to n_best
+    options = service.decoding_options(beam_size, n_best, max_length, repetition)  # a narrower beam widened to n_best
     if options.beam_size > settings.max_beam:
         raise ApiError(
             BAD_REQUEST, "validation_error", f"beam_size: at most {settings.max_beam} (alternatives + 1 included)"
@@ -199,6 +207,7 @@ def query_legs(route: Sequence[TranslationService], query: Query, state: AppStat
             query.beam_size,
             n_best if number == last else 1,
             query.max_length if number == last else None,
+            query.repetition,
         )
         for number, leg in enumerate(route)
     )
@@ -225,9 +234,10 @@ def item_detail(legs: Sequence[TranslationService], item: ItemResult) -> ItemDet
             SentenceDetail(
                 source=s.source,
                 translation=tokenizer.decode([best.ids])[0],
-                source_tokens=tuple(tokenizer.pieces(s.source_ids)),
+                source_tokens=tuple(tokenizer.source_pieces(s.source_ids)),
                 target_tokens=tuple(tokenizer.pieces(best.ids)),
                 score=round(best.score, 4),
+                confidence=best.confidence,
                 truncated=not best.finished,
                 cached=s.cached,
             )
@@ -235,6 +245,7 @@ def item_detail(legs: Sequence[TranslationService], item: ItemResult) -> ItemDet
     return ItemDetail(
         tokens=tuple(t for s in sentences for t in s.target_tokens),
         score=round(sum(s.score for s in sentences) / len(sentences), 4),
+        confidence=min(s.confidence for s in sentences),
         source_token_count=sum(len(s.source_tokens) for s in sentences),
         target_token_count=sum(len(s.target_tokens) for s in sentences),
         truncated=any(s.truncated for s in sentences),

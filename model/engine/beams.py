@@ -24,6 +24,14 @@ class Hypothesis:
     log_prob: float
     finished: bool
 
+    @property
+    def confidence(self) -> int:
+        """How sure the model was, 0-100: the geometric mean of its pieces' probabilities (EOS
+        included), 100 * exp(log P / pieces), as decoding scored them. How it relates to quality
+        (sentence chrF): docs/confidence.md."""
+        pieces = len(self.ids) + int(self.finished)
+        return round(100 * math.exp(self.log_prob / pieces)) if pieces else 100
+
 
 # an empty long tensor: "none" for the fused kernels' optional arguments, per device
 _EMPTY = {torch.device("cpu"): torch.empty(0, dtype=torch.long)}

@@ -19,8 +19,9 @@ from torch import nn
 from model.engine import fused
 from model.engine.kernels import BoundLinear, LinearKernel, PackedPanels, bind, int8_panels, reads_float_weight
 from model.engine.kernels import aten as kernel_aten
+from model.network.config import ModelConfig
 from model.network.linear import Linear, linear
-from model.network.transformer import DecoderLayer, EncoderLayer, Transformer
+from model.network.transformer import DecoderLayer, EncoderLayer, Transformer, activation_after, feed_forward
 
 
 def position_table(model: Transformer) -> torch.Tensor:
@@ -210,6 +211,11 @@ class BoundDecoderLayer:
     self_norm: Norm
     cross_norm: Norm
     ff_norm: Norm
+    after: Callable[[torch.Tensor], torch.Tensor] | None  # the activation after fc1 (None: ReLU, fused)
+
+    def ff(self, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward sub-layer (``feed_forward``) on x (R, D) -> (R, D)."""
+        return feed_forward(self.fc1, self.fc2, self.after, x)
 
     @classmethod
     def of(cls, layer: DecoderLayer, fast: bool, few: FewRows) -> BoundDecoderLayer:
@@ -219,12 +225,24 @@ class BoundDecoderLayer:
         sa, ca, ff = layer.self_attn, layer.cross_attn, layer.ff
         return cls(
             b(sa.qkv), b(sa.out), b(ca.q), b(ca.out), b(ff.fc1), b(ff.fc2),
-            Norm.of(layer.self_block.norm), Norm.of(layer.cross_block.norm), Norm.of(layer.ff_block.norm),
+            Norm.of(layer.self_block.norm), Norm.of(layer.cross_block.norm), Norm.of(layer.ff_block.norm), ff.after,
         )  # fmt: skip
 
 
+def stack_runs(config: ModelConfig) -> bool:
+    """Whether the fused kernels' whole-stack calls (``decoder_layers``, ``encoder_layers``) compute
+    this network exactly: post-LN layers with ReLU, the one layout they implement. Every other
+    configuration (pre-LN, swish, GELU) runs layer by layer (``DecoderStep._layers``,
+    ``EncoderPass._layers``), where each operation is the configuration's own; the one place the
+    choice is made."""
+    return not config.norm_first and activation_after(config.activation) is None
+
+
 def panel_stack(
-    kernels: ModuleType | None, weights: str, layers: list[tuple[dict[str, Linear], dict[str, nn.LayerNorm]]]
+    kernels: ModuleType | None,
+    weights: str,
+    layers: list[tuple[dict[str, Linear], dict[str, nn.LayerNorm]]],
+    config: ModelConfig,
 ) -> tuple[list[object], float] | None:
     """The layers of the fused kernels' ``decoder_layers`` or ``encoder_layers`` (every layer of a
     pass in one call: at one row the Python between the kernels is a large share of a decoder
@@ -232,8 +250,8 @@ def panel_stack(
     made from its linear layers and norms by the kernels' names, and the norms' epsilon, where they
     can run: post-LN layers whose products all run on these kernels' packed panels
     (``PackedPanels``: float32 weights released on a plan on ``panels``, ``loading.load``) and whose
-    norms share one epsilon; else None."""
-    if kernels is None:
+    norms share one epsilon, in a network the stack computes (``stack_runs``); else None."""
+    if kernels is None or not stack_runs(config):
         return None
     stack: list[object] = []
     eps = set()
@@ -261,6 +279,11 @@ class BoundEncoderLayer:
     fc2: BoundLinear
     attn_norm: Norm
     ff_norm: Norm
+    after: Callable[[torch.Tensor], torch.Tensor] | None  # the activation after fc1 (None: ReLU, fused)
+
+    def ff(self, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward sub-layer (``feed_forward``) on x (B*S, D) -> (B*S, D)."""
+        return feed_forward(self.fc1, self.fc2, self.after, x)
 
     @classmethod
     def of(cls, layer: EncoderLayer, fast: bool, few: FewRows) -> BoundEncoderLayer:
@@ -270,5 +293,5 @@ class BoundEncoderLayer:
         sa, ff = layer.self_attn, layer.ff
         return cls(
             b(sa.qkv), b(sa.out), b(ff.fc1), b(ff.fc2),
-            Norm.of(layer.attn_block.norm), Norm.of(layer.ff_block.norm),
+            Norm.of(layer.attn_block.norm), Norm.of(layer.ff_block.norm), ff.after,
         )  # fmt: skip

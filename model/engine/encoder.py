@@ -51,11 +51,11 @@ class EncoderPass:
         self.scale = 1.0 / math.sqrt(cfg.d_model // cfg.n_heads)
         self.ops = layer_ops(self.fused, cfg.n_heads, cfg.d_model // cfg.n_heads)
         # where every product runs on packed panels, all layers in one call
-        self.stack = None if self.norm_first else panel_stack(self.fused, "EncoderLayerWeights", [
+        self.stack = panel_stack(self.fused, "EncoderLayerWeights", [
             (dict(qkv=layer.self_attn.qkv, out=layer.self_attn.out, fc1=layer.ff.fc1, fc2=layer.ff.fc2),
              dict(attn_norm=layer.attn_block.norm, ff_norm=layer.ff_block.norm))
             for layer in model.encoder_layers
-        ])  # fmt: skip
+        ], cfg)  # fmt: skip
 
     def __call__(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """src: (B, S) ids -> memory (B, S, D), source mask (B, 1, 1, S). Sentences go through
@@ -126,6 +126,5 @@ class EncoderPass:
         for layer in self.layers:
             qkv = layer.qkv(x if post else layer.attn_norm(x), False)  # (B*S, 3D)
             x = ops.join(x, layer.out(ops.encoder_attention(qkv, mask, b, s), False), layer.attn_norm, post)
-            y = layer.fc2(layer.fc1(x if post else layer.ff_norm(x), True), False)
-            x = ops.join(x, y, layer.ff_norm, post)
+            x = ops.join(x, layer.ff(x if post else layer.ff_norm(x)), layer.ff_norm, post)
         return x

@@ -22,7 +22,7 @@ from model.checkpoint import CheckpointError, load_metadata, recommended_decodin
 from model.engine import kernels, shortlist
 from model.engine.features import CpuFeatures
 from model.engine.kernels import KernelPlan
-from model.engine.options import DecodingOptions
+from model.engine.options import DecodingOptions, Repetition
 from model.engine.shortlist import Shortlist
 from model.network.config import ModelConfig
 from model.network.tokenizer import Tokenizer, target_prefix
@@ -57,15 +57,19 @@ def decoding_options(
     n_best: int = 1,
     max_length: int | None = None,
     direction: str | None = None,
+    repetition: Repetition | None = None,
 ) -> DecodingOptions:
     """A request's options on top of the model card's recommended decoding (config.json
     "decoding": beam, length penalty, length limits; ``recommended_decoding`` for ``direction``
-    "src-tgt"): the one place both the service and ``model.training.evaluate`` build them. ``n_best``
+    "src-tgt"; its ``repetition_penalty`` and ``no_repeat_ngram_size`` unless ``repetition`` sets
+    them): the one place both the service and ``model.training.evaluate`` build them. ``n_best``
     hypotheses come from one beam, so a narrower beam is widened to ``n_best``. Raises
     ``ValueError`` for options no search can run."""
     card = recommended_decoding(meta, direction)
     beam = max(beam_size if beam_size is not None else int(card.get("beam_size", 4)), n_best)
     card.update(beam_size=beam, n_best=n_best, max_length=max_length)
+    if repetition is not None:
+        card.update(repetition.given())
     return DecodingOptions(**card)
 
 
@@ -141,8 +145,8 @@ def use_shortlist(ckpt: Checkpoint, wanted: bool = True) -> Shortlist | None:
     whole-vocabulary projection leaves the decoding path (``shortlist_output``): decoding scores
     the rows the shortlist gathers from the token table, and only the rare teacher-forced pass
     (``/attention``) projects onto every piece. Call before decoding with the model."""
-    if not wanted or ckpt.plan.precision == "int8":
-        return None
+    if not wanted or ckpt.plan.precision == "int8" or ckpt.model.output_bias is not None:
+        return None  # (a shortlist scores gathered rows without a bias: none for models with one)
     found = load_shortlist(ckpt.path, ckpt.config.tgt_vocab_size)
     device = ckpt.model.tgt_embed.tokens.weight.device
     if found is not None and device.type != "cpu":  # beside the model: a session reads it with the sources
@@ -201,7 +205,7 @@ def release_output_projection(model: Transformer, int8: ModuleType | None = None
     hold an int8 projection instead of fbgemm's packed copy.
     -> bytes released."""
     out = model.output_matrix()
-    packed = kernels.packed_kernel(model.kernel, out, None, int8=int8)
+    packed = kernels.packed_kernel(model.kernel, out, model.output_bias, int8=int8)
     if packed is None:
         return 0
     model.kernel = packed

@@ -62,19 +62,19 @@ class DecoderStep:
         self.few_rows = few_rows_of(model, self.fused)
         self.layers = [BoundDecoderLayer.of(layer, fast, self.few_rows) for layer in model.decoder_layers]
         # where every product runs on packed panels, all layers of a step in one call
-        self.stack = None if self.norm_first else panel_stack(self.fused, "DecoderLayerWeights", [
+        self.stack = panel_stack(self.fused, "DecoderLayerWeights", [
             (dict(self_qkv=layer.self_attn.qkv, self_out=layer.self_attn.out, cross_q=layer.cross_attn.q,
                   cross_out=layer.cross_attn.out, fc1=layer.ff.fc1, fc2=layer.ff.fc2),
              dict(self_norm=layer.self_block.norm, cross_norm=layer.cross_block.norm, ff_norm=layer.ff_block.norm))
             for layer in model.decoder_layers
-        ])  # fmt: skip
+        ], cfg)  # fmt: skip
         # each layer's cross-attention K/V projection, for the memory of sentences that join
         self.cross_kv = [bind_layer(layer.cross_attn.kv, fast, self.few_rows) for layer in model.decoder_layers]
-        out = model.output_matrix()
+        out, bias = model.output_matrix(), model.output_bias
         self.output = (
-            self.few_rows.wrap(bind(model.kernel, out, None), model.kernel, out, None, panels=False)
+            self.few_rows.wrap(bind(model.kernel, out, bias), model.kernel, out, bias, panels=False)
             if fast
-            else through(model.kernel, out, None)
+            else through(model.kernel, out, bias)
         )
         self.final_norm = None if model.decoder_norm is None else Norm.of(model.decoder_norm)
         self.tokens, self.embed_scale = embed.tokens.weight, embed.scale
@@ -203,13 +203,12 @@ class DecoderStep:
             q = layer.cross_q(x if post else layer.cross_norm(x), False)  # (R, D)
             y = layer.cross_out(ops.cross_attention(step, q, layer_cache.cross_attention), False)
             x = ops.join(x, y, layer.cross_norm, post)
-            y = layer.fc2(layer.fc1(x if post else layer.ff_norm(x), True), False)
-            x = ops.join(x, y, layer.ff_norm, post)
+            x = ops.join(x, layer.ff(x if post else layer.ff_norm(x)), layer.ff_norm, post)
         return x
 
     def _stacked_layers(self, x: torch.Tensor, step: object, cache: KVCache) -> torch.Tensor:
         """x (R, D) through every layer in one call of the fused kernels' ``decoder_layers``
-        (post-LN, every product on packed panels) -> (R, D)."""
+        (post-LN with ReLU, every product on packed panels: ``binding.stack_runs``) -> (R, D)."""
         assert self.fused is not None and self.stack is not None
         visible, source = step.visible, step.source  # type: ignore[attr-defined]
         cache_rows, sentences = step.cache_rows, step.sentences  # type: ignore[attr-defined]

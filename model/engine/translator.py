@@ -22,6 +22,7 @@ class TranslatedHypothesis:
     pieces: tuple[str, ...]
     score: float
     finished: bool
+    confidence: int  # 0-100 (``Hypothesis.confidence``)
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,15 @@ class AttentionResult:
 
 def source_batch(model: Transformer, batch: Sequence[Sequence[int]], prefix: Sequence[int] = ()) -> torch.Tensor:
     """Source ids without specials -> (B, S) padded ids, each ``prefix`` (a many-to-many
-    model's target tag) + ids + EOS, on the model's device."""
+    model's target tag) + ids + EOS (where the model's sources end with one,
+    ``ModelConfig.source_suffix``), on the model's device."""
     cfg = model.config
     limit = cfg.max_tokens - len(prefix)
     too_long = [len(ids) for ids in batch if len(ids) > limit]
     if too_long:
         raise ValueError(f"source of {max(too_long)} tokens exceeds {limit}")
-    return pad([[*prefix, *ids, cfg.eos_id] for ids in batch], cfg.pad_id).to(next(model.parameters()).device)
+    end = cfg.source_suffix
+    return pad([[*prefix, *ids, *end] for ids in batch], cfg.pad_id).to(next(model.parameters()).device)
 
 
 class IdsSession:
@@ -175,9 +178,9 @@ class Translator:
     def to_translation(self, src_ids: Sequence[int], hyps: Sequence[Hypothesis]) -> Translation:
         texts = self.tokenizer.decode([h.ids for h in hyps])
         return Translation(
-            tuple(self.tokenizer.pieces(src_ids)),
+            tuple(self.tokenizer.source_pieces(src_ids)),
             tuple(
-                TranslatedHypothesis(t, tuple(self.tokenizer.pieces(h.ids)), h.score, h.finished)
+                TranslatedHypothesis(t, tuple(self.tokenizer.pieces(h.ids)), h.score, h.finished, h.confidence)
                 for t, h in zip(texts, hyps, strict=True)
             ),
         )
@@ -209,12 +212,12 @@ class Translator:
         """Exact attention maps for a returned hypothesis (one teacher-forced pass). With a
         prefix, its positions are left out of the maps (the source is the text's pieces)."""
         cfg, n = self.config, len(self.prefix)
-        src = torch.tensor([[*self.prefix, *src_ids, cfg.eos_id]], device=self.device)
+        src = torch.tensor([[*self.prefix, *src_ids, *cfg.source_suffix]], device=self.device)
         tgt_in = torch.tensor([[cfg.bos_id, *hyp_ids]], device=self.device)
         _, maps = self.model.attention_maps(src, tgt_in)
         pieces = self.tokenizer.pieces
         return AttentionResult(
-            source=(*pieces(src_ids), "</s>"),
+            source=(*self.tokenizer.source_pieces(src_ids), *["</s>"] * len(cfg.source_suffix)),
             target=(*pieces(hyp_ids), "</s>"),
             target_input=("<s>", *pieces(hyp_ids)),
             encoder=_first(maps.encoder)[:, :, n:, n:],

@@ -69,21 +69,39 @@ class Tokenizer:
     def piece_spans(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """``text``'s ids (as ``encode`` gives them) and each piece's (start, end) character span
         in ``text``, the whitespace before a word not included."""
-        proto = self.sp.encode(text, return_type="proto")
-        raw = text.encode("utf-8")
-        ids, spans = [], []
-        for piece in proto.pieces:
-            start = len(raw[: piece.begin].decode("utf-8", errors="ignore"))
-            end = len(raw[: piece.end].decode("utf-8", errors="ignore"))
-            while start < end and text[start].isspace():
-                start += 1
-            ids.append(int(piece.id))
-            spans.append((start, end))
-        return ids, spans
+        pieces = self.sp.encode(text, return_type="proto").pieces
+        return [int(piece.id) for piece in pieces], piece_spans(pieces, text)
 
     def pieces(self, ids: Sequence[int]) -> list[str]:
-        """Ids to sentencepiece pieces (word starts carry the '▁' marker)."""
+        """Target ids to sentencepiece pieces (word starts carry the '▁' marker)."""
         return [str(self.sp.id_to_piece(int(i))) for i in ids]
+
+    def source_pieces(self, ids: Sequence[int]) -> list[str]:
+        """Source ids to pieces: the same as ``pieces`` for a joint vocabulary (a tokenizer with a
+        source vocabulary of its own, ``model.network.vocabulary``, says otherwise)."""
+        return self.pieces(ids)
+
+    def files(self) -> dict[str, bytes]:
+        """What a checkpoint folder stores of it, by file name (``model.checkpoint.save``)."""
+        return {"spm.model": self.model_proto}
+
+    def describe(self) -> dict[str, Any]:
+        """config.json's "tokenizer" section (``model.checkpoint.save``; ``load_tokenizer`` reads it)."""
+        return {"type": "sentencepiece", "file": "spm.model", "vocab_size": self.vocab_size}
+
+
+def piece_spans(pieces: Sequence[Any], text: str) -> list[tuple[int, int]]:
+    """Each piece's (start, end) character span in ``text`` (pieces of sentencepiece's proto answer,
+    which count bytes), the whitespace before a word not included."""
+    raw = text.encode("utf-8")
+    spans = []
+    for piece in pieces:
+        start = len(raw[: piece.begin].decode("utf-8", errors="ignore"))
+        end = len(raw[: piece.end].decode("utf-8", errors="ignore"))
+        while start < end and text[start].isspace():
+            start += 1
+        spans.append((start, end))
+    return spans
 
 
 def target_tag(lang: str) -> str:

@@ -50,14 +50,14 @@ def sinusoidal_table(length: int, dim: int) -> torch.Tensor:
 
 
 class Embedding(nn.Module):
-    """Token embedding scaled by sqrt(D) plus positions, then dropout."""
+    """Token embedding scaled by sqrt(D) (``ModelConfig.scale_embeddings``) plus positions, then dropout."""
 
     table: torch.Tensor | None
 
     def __init__(self, tokens: nn.Embedding, config: ModelConfig) -> None:
         super().__init__()
         self.tokens = tokens
-        self.scale = math.sqrt(config.d_model)
+        self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
         self.dropout = nn.Dropout(config.dropout)
         self.max_positions = config.max_positions
         self.learned: nn.Embedding | None = None
@@ -86,17 +86,37 @@ class Embedding(nn.Module):
         return dropout(self.dropout, x * self.scale + where)
 
 
+def activation_after(name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The feed-forward activation applied after fc1's product (``ModelConfig.activation``), or
+    None for ReLU, which the linear kernels fuse into the product (``relu=True``)."""
+    return {"relu": None, "swish": F.silu, "gelu": F.gelu}[name]
+
+
+def feed_forward(
+    fc1: Callable[[torch.Tensor, bool], torch.Tensor],
+    fc2: Callable[[torch.Tensor, bool], torch.Tensor],
+    after: Callable[[torch.Tensor], torch.Tensor] | None,
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """fc2(act(fc1(x))): ReLU inside fc1's kernel, any other activation (``activation_after``) on
+    its output. The modules and the engine's bound layers both run it."""
+    h = fc1(x, after is None)
+    return fc2(h if after is None else after(h), False)
+
+
 class FeedForward(nn.Module):
-    """Position-wise Linear -> ReLU -> Linear."""
+    """Position-wise Linear -> activation (ReLU, swish or GELU) -> Linear."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.fc1 = Linear(config.d_model, config.d_ff)
         self.fc2 = Linear(config.d_ff, config.d_model)
         self.dropout = nn.Dropout(config.activation_dropout)
+        self.after = activation_after(config.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(dropout(self.dropout, self.fc1(x, relu=True)))
+        h = self.fc1(x, relu=self.after is None)
+        return self.fc2(dropout(self.dropout, h if self.after is None else self.after(h)))
 
 
 class Residual(nn.Module):
@@ -207,6 +227,8 @@ class Transformer(nn.Module):
         self.kv_dtype: torch.dtype | None = None
         if not config.share_embeddings:
             self.output = Linear(d, config.tgt_vocab_size, bias=False)
+        # the output projection's bias (``ModelConfig.output_bias``: Marian's final_logits_bias)
+        self.output_bias = nn.Parameter(torch.zeros(config.tgt_vocab_size)) if config.output_bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -218,7 +240,7 @@ class Transformer(nn.Module):
                     p[self.config.pad_id].zero_()
             elif p.dim() > 1:
                 nn.init.xavier_uniform_(p)
-            elif name.endswith("bias"):
+            elif name.endswith("bias"):  # (output_bias too)
                 nn.init.zeros_(p)
 
     # --- encoder -------------------------------------------------------------------------
@@ -264,7 +286,7 @@ class Transformer(nn.Module):
         """h: (..., D) -> (..., V)."""
         if self.decoder_norm is not None:
             h = self.decoder_norm(h)
-        return linear(h, self.output_matrix(), None, self.kernel)
+        return linear(h, self.output_matrix(), self.output_bias, self.kernel)
 
     def project_memory(self, memory: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """memory (B, S, D) -> every decoder layer's cross-attention K, V, each (B, H, S, Dh)."""

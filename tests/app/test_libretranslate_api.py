@@ -260,7 +260,8 @@ def test_a_many_to_many_model_serves_its_directions_from_one_loaded_model(tmp_pa
             body = {"q": texts, "source": "de", "target": target, "beam_size": 2, "details": True}
             answer = client.post("/translate", json=body).json()
             direct = Translator(ckpt.model, ckpt.tokenizer, target_prefix(ckpt.tokenizer, target))
-            options = DecodingOptions(beam_size=2, length_penalty=alpha(f"de-{target}"))
+            repeats = int(card.get("no_repeat_ngram_size", 0))
+            options = DecodingOptions(beam_size=2, length_penalty=alpha(f"de-{target}"), no_repeat_ngram_size=repeats)
             expected = [t.text for t in direct.translate(texts, options)]
             assert answer["translatedText"] == expected
             assert [d["models"] for d in answer["details"]] == [[f"de-{target}"]] * 2
