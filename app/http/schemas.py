@@ -28,8 +28,11 @@ class TranslateRequest(BaseModel):
     )
     max_length: int | None = Field(None, ge=1, description="most tokens to generate per sentence")
     repetition_penalty: float | None = Field(
-        None, gt=0, le=10, description="penalize pieces already generated (CTranslate2's and transformers' "
-        "meaning; 1: off); default: the model card's"
+        None,
+        gt=0,
+        le=10,
+        description="penalize pieces already generated (CTranslate2's and transformers' "
+        "meaning; 1: off); default: the model card's",
     )
     no_repeat_ngram_size: int | None = Field(
         None, ge=0, le=16, description="never repeat an n-gram of this many pieces (0: off); default: the model card's"
