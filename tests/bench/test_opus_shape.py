@@ -29,7 +29,7 @@ def test_bench_decode_runs_an_opus_shaped_model(tmp_path: Path, data_dir: Path, 
     folder = opus_shaped(tmp_path / "opus", vocab=9000, activation=activation, d_model=32, n_heads=4,
                          encoder_layers=1, decoder_layers=1, d_ff=64)  # fmt: skip
     cmd = [sys.executable, "-m", "bench.decode", "--weights", str(folder), "--systems", "ours,ctranslate2",
-           "--limit", "8", "--repeat", "1", "--warmup", "0", "--no-isolate", "--data-dir", str(data_dir)]  # fmt: skip
+           "--limit", "4", "--repeat", "1", "--warmup", "0", "--no-isolate", "--data-dir", str(data_dir)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -22,7 +22,8 @@ def test_out_of_domain_text_does_not_loop(name: str) -> None:
     ckpt = loading.load(ROOT / "weights" / name)
     options = loading.decoding_options(ckpt.meta)
     assert options.no_repeat_ngram_size == 4  # the card's default
-    translations = Translator(ckpt.model, ckpt.tokenizer).translate([s for s, _ in OUT_OF_DOMAIN], options)
+    sources = [s for s, _ in OUT_OF_DOMAIN[:10]]  # (issue 74's two among them; bench.repetition runs all)
+    translations = Translator(ckpt.model, ckpt.tokenizer).translate(sources, options)
     assert not [t.text for t in translations if runaway(t.hypotheses[0].pieces)]
     plain = loading.decoding_options({**ckpt.meta, "decoding": {**ckpt.meta["decoding"], "no_repeat_ngram_size": 0}})
     before = Translator(ckpt.model, ckpt.tokenizer).translate([s for s, _ in OUT_OF_DOMAIN[:2]], plain)
