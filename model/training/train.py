@@ -136,6 +136,8 @@ class Trainer:
             self.train_data = self._corpus(self.train_all)
         self.valid_data = self._corpus(self.valid_text)
         self.model = Transformer(cfg.model).to(device)
+        if self.procs.many:  # the same initial weights everywhere (DDP sends rank 0's anyway), each its own dropout
+            torch.manual_seed(cfg.optim.seed * 100_003 + 7 * self.procs.rank + 1)
         if cfg.init:  # fine-tuning: the checkpoint's weights (a resumed run's state replaces them)
             checkpoint.load_weights(self.model, Path(cfg.init))
             log.info("initialised from %s", cfg.init)
@@ -272,8 +274,8 @@ class Trainer:
             return self.tokenizer.sample(texts, t.sampling_alpha, t.sampling_nbest, seed)
         return self.tokenizer.encode(texts)
 
-    def epoch_batches(self) -> Iterator[Batch]:
-        """This process's training batches of the current epoch."""
+    def epoch_batches(self) -> Iterable[Batch]:
+        """This process's training batches of the current epoch (a list for in-memory corpora)."""
         o, m = self.cfg.optim, self.cfg.model
         if self.stream is not None:
             longest = m.max_positions - 1  # a side's pieces, with its BOS or EOS
@@ -281,7 +283,7 @@ class Trainer:
             return self.stream.batches(self.epoch, self._encode, o.max_tokens, longest, specials)
         if self.cfg.tokenizer.sampling_alpha:
             self.train_data = self._sampled_corpus()
-        return iter(list(self.train_data.batches(o.max_tokens, shuffle=True, seed=o.seed + self.epoch)))
+        return list(self.train_data.batches(o.max_tokens, shuffle=True, seed=o.seed + self.epoch))
 
     def _autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
@@ -333,9 +335,13 @@ class Trainer:
         # the device before queueing the next step (only a visible progress bar reads it, now and then)
         total_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         total_tokens, start = 0, time.perf_counter()
-        bar = tqdm(desc=f"epoch {self.epoch + 1}", unit="step", mininterval=2.0, leave=False,
+        batches = self.epoch_batches()
+        total = math.ceil(len(batches) / o.accumulate) if isinstance(batches, list) else None
+        if total is not None and max_steps is not None:
+            total = min(total, max_steps)
+        bar = tqdm(desc=f"epoch {self.epoch + 1}", total=total, unit="step", mininterval=2.0, leave=False,
                    disable=None if self.procs.main else True)  # fmt: skip
-        for group in self._groups(self.epoch_batches(), max_steps):
+        for group in self._groups(batches, max_steps):
             tokens = sum(b.target_tokens for b in group)
             if self.procs.many:  # the global batch's tokens, and whether any process ran out
                 tokens_f, missing = self.procs.sum([float(tokens), float(not group)])
