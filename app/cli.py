@@ -80,6 +80,7 @@ BENCHMARKS = {
     "kernels": "per-call time of each linear kernel at the shipped model's shapes",
     "compile_step": "the small-batch decoder step eager against torch.compile (inductor)",
     "plot": "charts of bench load and bench decode lines (the pictures of docs/benchmarks/)",
+    "train_memory": "memory of training on streamed corpora of a few million pairs (docs/training.md)",
 }
 
 

@@ -186,3 +186,17 @@ def test_the_duplicate_filter_keeps_corpora_and_copies_apart() -> None:
     assert not seen.add(pair, 1) and seen.add(pair, 1)
     assert not seen.add(pair, 2)  # another corpus, or another read of a weighted one
     assert not Seen(0).add(pair, 1) and not Seen(0).add(pair, 1)  # dedup_mb = 0: off
+
+
+def test_the_configs_in_the_training_docs_load(tmp_path: Path) -> None:
+    """docs/training.md's TOML examples are configs ``load_train_config`` takes as they are."""
+    import re
+
+    from tests.helpers import ROOT
+
+    blocks = re.findall(r"```toml\n(.*?)```", (ROOT / "docs" / "training.md").read_text(), re.S)
+    assert len(blocks) >= 2
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"{i}.toml"
+        path.write_text(block)
+        assert load_train_config(path).data.corpora
