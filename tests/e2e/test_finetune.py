@@ -32,7 +32,7 @@ CORRECTIONS = {
 }
 HELD_IN = 1000  # test_2016_flickr, whole: never trained on, scored before and after
 
-RECIPE = ROOT / "configs" / "finetune-de-en.toml"  # (docs/training.md, "Fine-tuning")
+RECIPE = ROOT / "configs" / "finetune" / "de-en.toml"  # (docs/training.md, "Fine-tuning")
 
 
 def recipe(data_dir: Path, corrections: Path) -> str:
