@@ -203,6 +203,10 @@ class RecommendedDecoding:
     # a many-to-many model's length penalty per direction ("cs-en" = 1.0) where val chose
     # another than ``length_penalty`` (``checkpoint.recommended_decoding`` applies it)
     length_penalty_by_direction: dict[str, float] = field(default_factory=dict)
+    # the guards against loops a card may carry (``DecodingOptions``; 0 and 1: off): a fine-tuned
+    # model keeps its starting card's
+    no_repeat_ngram_size: int = 0
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True)
