@@ -239,7 +239,8 @@ def test_a_many_to_many_card_may_recommend_a_length_penalty_per_direction(tmp_pa
     assert loading.decoding_options(meta, direction="fr-de").length_penalty == 1.4
     assert loading.decoding_options(meta).length_penalty == 1.4
     assert checkpoint.recommended_decoding(meta, "cs-en") == {
-        "beam_size": 5, "length_penalty": 0.6, "max_length_a": 1.5, "max_length_b": 10
+        "beam_size": 5, "length_penalty": 0.6, "max_length_a": 1.5, "max_length_b": 10,
+        "no_repeat_ngram_size": 0, "repetition_penalty": 1.0,
     }  # fmt: skip
     assert checkpoint.recommended_decoding({}, "cs-en") == {}
 
