@@ -168,17 +168,18 @@ def serve_settings(argv: list[str]) -> Settings:
 
 
 def serve(argv: list[str]) -> None:
-    import uvicorn
-
-    from app.main import create_app
-
     settings = serve_settings(argv)
     configure_logging(settings.log_level)
     if sys.argv[1:] == ["serve", *argv]:  # this process's own command line: it can be run again
         try:
+            # before the app (and torch) is imported: a re-executed process imports it again
             exec_with_malloc(settings.malloc)  # (returns where the allocator is the one wanted)
         except MallocUnavailable as err:
             raise SystemExit(f"translator serve: {err}") from err
+    import uvicorn
+
+    from app.main import create_app
+
     uvicorn.run(
         create_app(settings),
         host=settings.host,
