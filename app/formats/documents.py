@@ -41,9 +41,7 @@ from app.formats.archives import MAX_PAGES, DocumentError, Format, ZipLimits, ch
 from app.formats.epub import Book
 from app.formats.markup import Block, Engine, has_text, translate_blocks
 from app.formats.opendocument import OpenDocument
-from app.formats.pdf import PdfDocument
 from app.formats.segmentation import segment, sentences
-from app.formats.slides import Presentation
 from app.formats.wordruns import Paragraph, RunTable, W
 
 __all__ = [
@@ -109,11 +107,17 @@ def parse(filename: str, data: bytes, zip_limits: ZipLimits | None = None, max_p
         return WordDocument.parse(data, limits)
     if fmt.suffix in (".odt", ".odp"):
         return OpenDocument.parse(data, fmt, limits, max_pages)
+    # the PDF and PowerPoint modules load their libraries at first use: a third of a second of
+    # every start, and their memory, in a server that may never see such a file
     if fmt.suffix == ".pptx":
+        from app.formats.slides import Presentation
+
         return Presentation.parse(data, fmt, limits, max_pages)
     if fmt.suffix == ".epub":
         return Book.parse(data, fmt, limits, max_pages)
     if fmt.suffix == ".pdf":
+        from app.formats.pdf import PdfDocument
+
         return PdfDocument.parse(data, fmt, limits, max_pages)
     text, bom = decode(data, fmt.suffix)
     if fmt.suffix == ".srt":
