@@ -343,14 +343,14 @@ class DecodeSession:
             room = 1 if self.k > 1 else None  # beams reorder every step (one more slot); greedy rows grow
             kernels, first = self._kernels, None
             copy = None if kernels is None else kernels.gather_rows_
-            fused = copy is not None and self._bound()[1].fused is not None
-            if fused and max(rows.start_host) > origin:
+            defer = copy is not None and self._bound()[1].ops.takes_reorder  # (``LayerOps.takes_reorder``)
+            if defer and max(rows.start_host) > origin:
                 # rows that joined after the cache's first position copy only their own positions:
                 # the fused attention never reads the others (its mask hides them)
                 first = (rows.row_start() - origin).clamp_(min=0)
             # on the fused kernels each layer's attention does its copy in the step (``defer``)
             cache.reorder(
-                gather, room, drop, rows.added, capacity, width=rows.width, gather=copy, first=first, defer=fused
+                gather, room, drop, rows.added, capacity, width=rows.width, gather=copy, first=first, defer=defer
             )
             rows.gather, rows.moves, rows.added = None, None, 0
         return origin
@@ -429,7 +429,7 @@ class DecodeSession:
         kernels)."""
         rows = self._rows
         w, now = rows.width, self.steps
-        if w == 1 or decoder.fused is None or self._kernels is None or max(rows.start_host) < now:
+        if w == 1 or not decoder.ops.computes_some_rows or self._kernels is None or max(rows.start_host) < now:
             return None, None
         computed: list[int] = []
         logits_rows: list[int] = []
