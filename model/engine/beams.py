@@ -1,18 +1,15 @@
 """Beam search's bookkeeping: the hypotheses of every active sentence, their scores and
 lengths, and the top-k that ranks the candidates (greedy search is the beam of one).
-``model.engine.decoding.DecodeSession`` owns one ``Beams`` per running batch."""
+``model.engine.decoding.DecodeSession`` owns one ``Beams`` per running batch; a step's update of
+them is its search operations' (``model.engine.search_ops``: ``SearchOps.advance``)."""
 
 from __future__ import annotations
 
 import functools
 import math
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
-import torch.nn.functional as F
-
-from model.engine.shortlist import ShortlistColumns
 
 
 @dataclass(frozen=True)
@@ -32,9 +29,6 @@ class Hypothesis:
         pieces = len(self.ids) + int(self.finished)
         return round(100 * math.exp(self.log_prob / pieces)) if pieces else 100
 
-
-# an empty long tensor: "none" for the fused kernels' optional arguments, per device
-_EMPTY = {torch.device("cpu"): torch.empty(0, dtype=torch.long)}
 
 # top_k splits each row into blocks of this many scores (see there), from this many rows on.
 TOP_K_BLOCK = 64
@@ -101,14 +95,12 @@ class Beams:
     sentence (the others would be copies of it; K rows cost more row-steps:
     docs/benchmarks/README.md#numbers-behind-the-code);
     sentences that join a running batch get K rows, like everyone else in it by then (with the fused
-    kernels their first step computes only the first of them: ``advance``'s ``rows``).
+    kernels their first step computes only the first of them: ``SearchOps.advance``'s ``rows``).
     """
 
-    def __init__(self, k: int, pad_id: int, device: torch.device, kernels: ModuleType | None = None) -> None:
-        """``kernels``: the fused step kernels (``model.engine.fused``), whose ``advance`` does a step's
-        bookkeeping in one call; None: tensor operations throughout."""
-        self.k, self.pad_id, self.kernels = k, pad_id, kernels
-        # the sentences all of whose hypotheses are finished, when the kernels' ``advance`` said
+    def __init__(self, k: int, pad_id: int, device: torch.device) -> None:
+        self.k, self.pad_id = k, pad_id
+        # the sentences all of whose hypotheses are finished, when the fused kernels' advance said
         # (None: not known; sentences joining or leaving make it unknown)
         self.done: list[int] | None = None
         self.scores = torch.zeros(0, k, device=device)  # raw cumulative log P, (A, K)
@@ -138,111 +130,7 @@ class Beams:
         # (positions past a sentence's own limit are never read, whatever cat_padded put there)
         self.history = cat_padded(self.history, history, dim=2)
 
-    def advance(
-        self,
-        logits: torch.Tensor,
-        start: torch.Tensor,
-        now: int,
-        alpha: float,
-        eos_id: int,
-        columns: ShortlistColumns | None = None,
-        own: torch.Tensor | None = None,
-        rows: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """logits: (A, W, V) float32 next-token logits of each sentence's first W hypotheses
-        (W = 1 at a batch's first step, else K; may be overwritten with their log-probabilities),
-        start: (A,) the step each sentence joined at, ``now`` the batch's step (a sentence has
-        decoded now - start steps so far: the subtraction is the kernels', not a tensor
-        operation a step), columns: a shortlist's (``model.engine.shortlist.ShortlistColumns``) when the
-        logits cover one: then ``logits`` are (.., N) over the N columns every sentence shares and
-        ``own`` (.., E) each row's over its sentence's own (-inf past its count); None: column i is
-        token i.
-        ``rows`` (A*W,) int64, kernels only: the step computed only some rows, and ``logits`` is
-        (R', V): entry i*W + r is the logits row of sentence i's row r, or -1 for a row not
-        computed, which must be at -inf (a joining sentence's copies of its first row at its first
-        step: ``DecodeSession``); None: every row, logits (A, W, V)
-        -> back-pointer rows (A*K,) into the A*W (None for greedy search: rows stay in
-        place), and the tokens chosen (A, K).
-
-        Every alive hypothesis of a sentence has step+1 tokens after this step, so its alive
-        candidates share one length penalty and rank by raw log P; a finished hypothesis
-        competes through its single (PAD) continuation, its normalized score mapped into that
-        raw scale. The K best of a sentence's K x V candidates are among the K best of each of
-        its rows, so each row is cut to K first (``top_k``) and only K x K survivors are ranked.
-
-        At one sentence a step's arithmetic is small and each tensor operation costs a few
-        microseconds of dispatch, so the common cases take shorter paths: greedy search (one
-        row per sentence, never finished here: a sentence leaves the step it ends) and beams
-        with no finished hypothesis (the usual state until the first EOS), which need none of
-        the finished hypotheses' bookkeeping. The fused kernels (``model.engine.fused``) do it all in
-        one call, by the same rules.
-        """
-        k = self.k
-        if self.kernels is not None:  # all of it in one call
-            empty = _EMPTY[logits.device]
-            state = (self.scores, self.length, self.finished, self.eos, self.history)
-            listed = (empty, empty, empty, empty) if columns is None or own is None else (
-                own, columns.always, columns.extra_ids, columns.spans)  # fmt: skip
-            state, self.done = self.kernels.advance(
-                logits, *listed, start, now, *state, alpha, eos_id, self.pad_id, empty if rows is None else rows
-            )  # fmt: skip
-            self.scores, tok, back, self.history, self.eos, self.length, self.finished = state
-            return (back if k > 1 else None), tok
-        if rows is not None:
-            raise ValueError("logits of some rows need the fused kernels' advance")
-        self.done = None
-        step = now - start  # (A,)
-        vocab = None  # (A, C): each sentence's token of each column
-        if columns is not None and own is not None:
-            index, valid = columns.padded  # (A, E)
-            logits = torch.cat([logits, own.masked_fill(~valid[:, None, :], -math.inf)], dim=2)
-            extra = torch.where(valid, columns.extra_ids[index], self.pad_id)
-            vocab = torch.cat([columns.always.expand(valid.shape[0], -1), extra], dim=1)
-            if vocab.shape[1] < k:  # fewer columns than K (a tiny ``always``): the rest -inf, token PAD
-                logits = F.pad(logits, (0, k - vocab.shape[1]), value=-math.inf)
-                vocab = F.pad(vocab, (0, k - vocab.shape[1]), value=self.pad_id)
-        a, w, width = logits.shape
-        logp = torch.log_softmax(logits, dim=-1, out=logits).view(a * w, width)  # in place: no second (R, V) buffer
-        if k == 1:
-            best, tok = logp.max(dim=-1, keepdim=True)  # (A, 1): argmax, the first of equals
-            if vocab is not None:
-                tok = vocab.gather(1, tok)
-            self.scores = self.scores + best
-            self.length = (step + 1)[:, None]
-            self.eos = self.finished = tok == eos_id
-            self.history.scatter_(2, step.view(a, 1, 1), tok.view(a, 1, 1))
-            return None, tok
-        logp, tok = top_k(logp, k)  # (A*W, K)
-        if vocab is not None:
-            tok = vocab.gather(1, tok.view(a, w * k)).view(a * w, k)
-        candidates = logp.view(a, w, k) + self.scores[:, :w, None]  # raw log P, (A, W, K)
-        tok = tok.view(a, w, k)
-        # reading the flags back costs a device sync every step on a GPU, where the general path
-        # (the same results when nothing is finished) runs instead
-        any_finished = logits.device.type != "cpu" or bool(self.finished[:, :w].any())
-        if any_finished:
-            scale = length_penalty(step + 1, alpha)[:, None]  # (A, 1)
-            done = (self.scores[:, :w] / length_penalty(self.length[:, :w], alpha) * scale)[..., None]
-            finished = self.finished[:, :w, None]  # (A, W, 1)
-            candidates = torch.where(finished, done + self.only_first, candidates)
-            tok = torch.where(finished, self.pad_id, tok)
-        raw, flat = candidates.view(a, w * k).topk(k, dim=-1)  # (A, K), best first
-        beam, tok = flat // k, tok.view(a, w * k).gather(1, flat)
-        if any_finished:
-            was_finished = self.finished.gather(1, beam)
-            self.scores = torch.where(was_finished, self.scores.gather(1, beam), raw)
-            self.length = torch.where(was_finished, self.length.gather(1, beam), step[:, None] + 1)
-            self.eos = self.eos.gather(1, beam) | (~was_finished & (tok == eos_id))
-            self.finished = was_finished | self.eos
-        else:
-            self.scores, self.length = raw, (step + 1)[:, None].expand(a, k)
-            self.eos = self.finished = tok == eos_id
-        history = self.history
-        self.history = history.gather(1, beam[..., None].expand(-1, -1, history.shape[2]))
-        self.history.scatter_(2, step.view(a, 1, 1).expand(a, k, 1), tok[..., None])
-        return (beam + self._row_offsets(a, w)).view(-1), tok
-
-    def _row_offsets(self, a: int, w: int) -> torch.Tensor:
+    def row_offsets(self, a: int, w: int) -> torch.Tensor:
         """(A, 1): the first of each sentence's W rows, kept while the batch keeps its shape."""
         if self._offsets.shape[0] != a or self._offsets_width != w:
             self._offsets = torch.arange(a, device=self._offsets.device)[:, None] * w
@@ -258,8 +146,8 @@ class Beams:
             self.done = sorted(set(self.done).union(sentences))
 
     def done_sentences(self) -> list[int]:
-        """The sentences all of whose hypotheses are finished, ascending: as the kernels'
-        ``advance`` (and ``truncate`` since) said, without reading the device, else from ``finished``."""
+        """The sentences all of whose hypotheses are finished, ascending: as the fused kernels'
+        advance (and ``truncate`` since) said, without reading the device, else from ``finished``."""
         if self.done is not None:
             return self.done
         done = self.finished.all(dim=1).tolist()  # one read from the device (``nonzero`` would take two)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
@@ -25,6 +24,7 @@ from model.engine.cache import KVCache, init_cache, moves_of
 from model.engine.encoder import EncoderPass
 from model.engine.options import DecodingOptions
 from model.engine.penalties import apply_penalties, penalized
+from model.engine.search_ops import SearchOps, search_ops
 from model.engine.shortlist import Shortlist, Vocabulary
 from model.engine.step import DecoderStep, bound_passes
 from model.network.transformer import Transformer
@@ -122,7 +122,7 @@ class _SentenceRows:
     None: rows stay in place) and how many rows of sentences that joined since to add.
     """
 
-    def __init__(self, k: int, pad_id: int, device: torch.device, kernels: ModuleType | None = None) -> None:
+    def __init__(self, k: int, pad_id: int, device: torch.device) -> None:
         self.tags: list[int] = []  # what ``step`` returns each sentence as
         self.start_host: list[int] = []  # the step each sentence joined at
         self.start = torch.zeros(0, dtype=torch.long, device=device)  # (A,) the same, on the device
@@ -130,7 +130,7 @@ class _SentenceRows:
         self.source_lengths: list[int] = []  # source tokens (EOS included); host only
         self.memory_mask = torch.zeros(0, 1, 1, 0, dtype=torch.bool, device=device)  # (A, 1, 1, S)
         self.tokens = torch.zeros(0, 1, dtype=torch.long, device=device)  # (A, W) next step's input
-        self.beams = Beams(k, pad_id, device, kernels)
+        self.beams = Beams(k, pad_id, device)
         self.gather: torch.Tensor | None = None  # (A*W,) cache rows to gather before the next step
         # the same gather as (target, source) row moves, where it is only sentences leaving a greedy
         # batch (no back-pointers): the cache then moves those rows in place (``KVCache.compact``)
@@ -240,7 +240,9 @@ class DecodeSession:
         self.shortlist = shortlist
         self._passes: tuple[EncoderPass, DecoderStep] | None = None  # bound at first use, in inference mode
         device = next(model.parameters()).device
-        self._kernels = fused.load(model.fused_step) if device.type == "cpu" else None  # (model.engine.fused)
+        kernels = fused.load(model.fused_step) if device.type == "cpu" else None  # (never built for another device)
+        # the beams' update, the shortlist's candidates and the cache's row copy (``model.engine.search_ops``)
+        self._search: SearchOps = search_ops(kernels, device)
         self._vocab: Vocabulary | None = None  # with a shortlist: what the steps score, from the first admission
         if vocabulary is not None and shortlist is not None:
             vocabulary.claim(self)
@@ -252,7 +254,7 @@ class DecodeSession:
         self.steps = 0  # decoder steps run since the session was last empty
         self._cache: KVCache | None = None
         device = next(self.model.parameters()).device
-        self._rows = _SentenceRows(self.k, self.model.config.pad_id, device, self._kernels)
+        self._rows = _SentenceRows(self.k, self.model.config.pad_id, device)
         vocab = self._own_vocab()
         if vocab is not None:
             vocab.clear()  # kept across resets: the always-candidates' rows are gathered once
@@ -296,7 +298,7 @@ class DecodeSession:
             if vocab is None:  # the first admission, or a later session took the columns over
                 vocab = self._vocab = Vocabulary(self.shortlist, model.output_matrix(), step_dtype(model))
                 vocab.claim(self)
-            candidates = self.shortlist.candidates_of(src, mask[:, 0, 0], self._kernels)  # padding is no piece
+            candidates = self._search.candidates(self.shortlist, src, mask[:, 0, 0])  # padding is no piece
             vocab.join(candidates)
         assert self._cache.source_length >= rows.source_width
 
@@ -341,16 +343,15 @@ class DecodeSession:
             origin += drop
             capacity = max(rows.stop_host) - origin  # the positions the longest-lived row needs
             room = 1 if self.k > 1 else None  # beams reorder every step (one more slot); greedy rows grow
-            kernels, first = self._kernels, None
-            copy = None if kernels is None else kernels.gather_rows_
-            fused = copy is not None and self._bound()[1].fused is not None
-            if fused and max(rows.start_host) > origin:
+            first, copy = None, self._search.gather_rows
+            defer = copy is not None and self._bound()[1].ops.takes_reorder  # (``LayerOps.takes_reorder``)
+            if defer and max(rows.start_host) > origin:
                 # rows that joined after the cache's first position copy only their own positions:
                 # the fused attention never reads the others (its mask hides them)
                 first = (rows.row_start() - origin).clamp_(min=0)
             # on the fused kernels each layer's attention does its copy in the step (``defer``)
             cache.reorder(
-                gather, room, drop, rows.added, capacity, width=rows.width, gather=copy, first=first, defer=fused
+                gather, room, drop, rows.added, capacity, width=rows.width, gather=copy, first=first, defer=defer
             )
             rows.gather, rows.moves, rows.added = None, None, 0
         return origin
@@ -397,7 +398,8 @@ class DecodeSession:
         eos = self.model.config.eos_id
         scored = logits if computed is not None else logits.view(a, w, -1)
         own = own if own is None or computed is not None else own.view(a, w, -1)
-        back, tokens = beams.advance(scored, rows.start, self.steps, alpha, eos, columns, own, logits_rows)
+        search = self._search
+        back, tokens = search.advance(beams, scored, rows.start, self.steps, alpha, eos, columns, own, logits_rows)
         self.steps += 1
         truncated = [i for i, stop in enumerate(rows.stop_host) if stop <= self.steps]  # at the limit
         if truncated:
@@ -425,11 +427,12 @@ class DecodeSession:
         advance each row's logits row (A*K,), -1 for a copy. Computing the copies made a
         continuously fed beam batch decode more rows than sorted batches
         (docs/benchmarks/log/2026-11-29.md#a-joiners-first-step-on-one-row). (None, None): every
-        row (no joiner, greedy search, the batch's first step at one row a sentence, or no fused
-        kernels)."""
+        row (no joiner, greedy search, the batch's first step at one row a sentence, or a step or an
+        advance that takes every row: ``LayerOps.computes_some_rows``, ``SearchOps.advances_some_rows``)."""
         rows = self._rows
         w, now = rows.width, self.steps
-        if w == 1 or decoder.fused is None or self._kernels is None or max(rows.start_host) < now:
+        takes_some = decoder.ops.computes_some_rows and self._search.advances_some_rows
+        if w == 1 or not takes_some or max(rows.start_host) < now:
             return None, None
         computed: list[int] = []
         logits_rows: list[int] = []

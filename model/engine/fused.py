@@ -5,15 +5,15 @@ A decoder step at one sentence spends more time dispatching the small operations
 matrix products than computing them (docs/benchmarks/README.md#fused-step). The C++ files do
 each of them in one call: a step's input embedding, each attention sub-layer (cache write,
 scores, softmax, weighted sum, heads merged), each post-LN residual join, a step of beam
-search's bookkeeping (``model.engine.beams.Beams.advance``), the KV cache's reorder, and for joining
-sentences the encoder's self-attention, the shortlist's candidates and the cross-attention K/V
-split into heads, and each row's logits over its own sentence's shortlist columns
-(``span_logits``). It also has a matrix product for a few rows (``linear``, up to
+search's bookkeeping (``model.engine.search_ops.SearchOps.advance``), the KV cache's reorder, and
+for joining sentences the encoder's self-attention, the shortlist's candidates and the
+cross-attention K/V split into heads, and each row's logits over its own sentence's shortlist
+columns (``span_logits``). It also has a matrix product for a few rows (``linear``, up to
 ``FEW_ROWS``), which streams the weights faster than MKL's sgemm there, and one for up to a few
 hundred rows on weights packed into panels (``panel_linear``, up to ``PANEL_ROWS``;
-docs/benchmarks/README.md#linear-kernels). ``model.engine.step``, ``Beams``, ``DecodeSession`` and ``KVCache``
-use them when the model names them (``Transformer.fused_step``), and their own tensor operations
-otherwise, with the same results to float rounding (tests/model/test_fused.py, and
+docs/benchmarks/README.md#linear-kernels). ``model.engine.step`` (``layer_ops``), ``DecodeSession``
+(``search_ops``) and ``KVCache`` use them when the model names them (``Transformer.fused_step``), and
+tensor operations otherwise, with the same results to float rounding (tests/model/test_fused.py, and
 tests/model/test_decoding.py on both paths).
 
 The variant is part of the kernel plan (``kernels.choose`` -> ``KernelPlan.fused``): compiled

@@ -114,6 +114,13 @@ class LayerOps(Protocol):
     computes_some_rows: bool
     caches_half: bool
 
+    # Whether the step's self-attention runs a pending KV cache reorder's copy itself, right
+    # before it reads the rows (``SelfAttentionCache.take_deferred``), and never reads a row's
+    # positions from before its sentence joined (its mask hides them): a reorder may then be left
+    # to the step and copy each row's own positions only (``KVCache.reorder``'s ``defer`` and
+    # ``first``). The fused kernels' only.
+    takes_reorder: bool
+
     def embed_source(self, src: torch.Tensor, embedding: Embedding, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """src (B, S) ids -> the embedded positions (B*S, D), ``Embedding.forward``'s sum; with
         ``tokens`` (T,) (places in (B, S) order) only those -> (T, D)."""
@@ -200,6 +207,7 @@ class TensorOps:
     projects_tokens_only = False
     computes_some_rows = False
     caches_half = False
+    takes_reorder = False
 
     def split_kv(self, both: torch.Tensor, b: int, s: int, half: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(A float16 cache is the fused kernels' only: ``half`` is False here.)"""
@@ -282,6 +290,7 @@ class FusedOps:
     projects_tokens_only = True
     computes_some_rows = True
     caches_half = True
+    takes_reorder = True
 
     def split_kv(self, both: torch.Tensor, b: int, s: int, half: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One call instead of a view, a permute, a copy and two selects."""

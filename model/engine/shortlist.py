@@ -71,16 +71,12 @@ class Shortlist:
         ``always``: its pieces and their associations."""
         return self.candidates_of(source[None], torch.ones(1, source.numel(), dtype=torch.bool))[0]
 
-    def candidates_of(
-        self, sources: torch.Tensor, real: torch.Tensor, kernels: ModuleType | None = None
-    ) -> list[torch.Tensor]:
+    def candidates_of(self, sources: torch.Tensor, real: torch.Tensor) -> list[torch.Tensor]:
         """sources (B, S) piece ids, real (B, S) True where a piece is the sentence's (not
         padding) -> each sentence's ``candidates``, computed for the batch at once (a handful of
-        tensor operations, not a loop over pieces), or by the fused kernels (``model.engine.fused``:
-        one call, the same lists) when given and on the CPU."""
+        tensor operations, not a loop over pieces). The fused kernels compute the same lists in
+        one call (``model.engine.search_ops.FusedSearchOps.candidates``)."""
         device, v = self.targets.device, self.vocab_size
-        if kernels is not None and device.type == "cpu":
-            return list(kernels.candidates(sources.to(device), real.to(device), self.offsets, self.targets))
         sources, real = sources.to(device), real.to(device)
         b, s = sources.shape
         sentence = torch.arange(b, device=device)[:, None].expand(b, s)[real]  # (N,) of each real piece

@@ -32,6 +32,7 @@ from model.engine.features import (
 )
 from model.engine.kernels import fbgemm_ops
 from model.engine.options import DecodingOptions
+from model.engine.search_ops import FusedSearchOps, SearchOps, TensorSearchOps
 from model.engine.shortlist import ShortlistColumns
 from model.engine.step import DecoderStep, bound_passes
 from model.engine.translator import Translator
@@ -669,9 +670,10 @@ def test_the_beams_advance_over_some_rows_as_over_all(variant: str) -> None:
 @pytest.mark.parametrize("variant", variants(RUNNABLE))
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_the_beams_advance_over_own_columns_as_the_tensor_operations_do(variant: str, beam_size: int) -> None:
-    """``Beams.advance`` over a shortlist's shared and own columns on the kernels and on the tensor
-    operations: the same tokens, back-pointers and scores, step after step (EOS among them at beam
-    3); a sentence's column past its own count is never chosen, however high its logit."""
+    """The beams' advance (``SearchOps.advance``) over a shortlist's shared and own columns on the
+    kernels and on the tensor operations: the same tokens, back-pointers and scores, step after
+    step (EOS among them at beam 3); a sentence's column past its own count is never chosen,
+    however high its logit."""
     kernels_module = fused.load(built(variant))
     assert kernels_module is not None
     torch.manual_seed(beam_size)
@@ -680,10 +682,8 @@ def test_the_beams_advance_over_own_columns_as_the_tensor_operations_do(variant:
     spans = torch.tensor([[0, 5], [5, 2], [7, 0], [10, 4]])
     columns = ShortlistColumns(torch.arange(n), torch.empty(0), lambda _: torch.empty(0), extra_ids, torch.empty(0),
                                spans, width)  # fmt: skip
-    beams = {
-        name: Beams(beam_size, 0, torch.device("cpu"), module)
-        for name, module in (("fused", kernels_module), ("torch", None))
-    }
+    ops: dict[str, SearchOps] = {"fused": FusedSearchOps(kernels_module), "torch": TensorSearchOps()}
+    beams = {name: Beams(beam_size, 0, torch.device("cpu")) for name in ops}
     for b in beams.values():
         b.extend(a, steps)
     start = torch.zeros(a, dtype=torch.long)
@@ -697,7 +697,7 @@ def test_the_beams_advance_over_own_columns_as_the_tensor_operations_do(variant:
             logits[:, :, 3] = -1e9
         got = {}
         for name, b in beams.items():
-            back, tok = b.advance(logits.clone(), start, step, 0.6, 3, columns, own.clone())
+            back, tok = ops[name].advance(b, logits.clone(), start, step, 0.6, 3, columns, own.clone())
             got[name] = (back, tok, b.scores.clone(), b.finished.clone())
         fused_back, fused_tok, fused_scores, fused_finished = got["fused"]
         back, tok, scores, finished = got["torch"]
@@ -1092,8 +1092,9 @@ def test_shortlist_candidates_are_the_tensor_operations_ones(shipped: Path) -> N
     real = torch.ones_like(sources, dtype=torch.bool)
     real[3, 7:] = False  # padding
     real[4, 1:] = False
-    fast = shortlist.candidates_of(sources, real, kernels_here)
-    plain = shortlist.candidates_of(sources, real)
+    assert kernels_here is not None
+    fast = FusedSearchOps(kernels_here).candidates(shortlist, sources, real)
+    plain = TensorSearchOps().candidates(shortlist, sources, real)
     assert len(fast) == len(plain) == 5
     for a, b in zip(fast, plain, strict=True):
         assert torch.equal(a, b)
