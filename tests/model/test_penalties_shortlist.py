@@ -17,7 +17,7 @@ from model.engine.decoding import DecodeSession, decode
 from model.engine.features import detected, fused_variant
 from model.engine.options import DecodingOptions
 from model.engine.penalties import apply_penalties
-from model.engine.shortlist import Shortlist, Vocabulary
+from model.engine.shortlist import Shortlist, ShortlistColumns, Vocabulary
 from model.engine.translator import Translator
 from model.network.transformer import Transformer
 from model.training.data import read_lines
@@ -39,7 +39,7 @@ def step_kernels(request: pytest.FixtureRequest) -> str | None:
     return STEP_KERNELS
 
 
-def hand_made_columns() -> tuple[list[int], list[list[int]], object]:
+def hand_made_columns() -> tuple[list[int], list[list[int]], ShortlistColumns]:
     """``always`` 0-3, 10 and 20 (columns 0-5); sentence 0's own 5, 7, 30 (columns 6-8), sentence
     1's own 8 (column 6)."""
     always = [0, 1, 2, 3, 10, 20]
@@ -109,7 +109,12 @@ def in_columns(model: Transformer, table: Shortlist, options: DecodingOptions, r
     changed = {"always": 0, "own": 0}
     penalize = session._penalize
 
-    def checked(logits, computed, columns=None, own=None):  # noqa: ANN001, ANN202
+    def checked(
+        logits: torch.Tensor,
+        computed: torch.Tensor | None,
+        columns: ShortlistColumns | None = None,
+        own: torch.Tensor | None = None,
+    ) -> None:
         assert columns is not None and own is not None
         before_logits, before_own = logits.clone(), own.clone()
         penalize(logits, computed, columns, own)
