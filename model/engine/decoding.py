@@ -25,7 +25,7 @@ from model.engine.encoder import EncoderPass
 from model.engine.options import DecodingOptions
 from model.engine.penalties import apply_penalties, penalized
 from model.engine.search_ops import SearchOps, search_ops
-from model.engine.shortlist import Shortlist, Vocabulary
+from model.engine.shortlist import Shortlist, ShortlistColumns, Vocabulary
 from model.engine.step import DecoderStep, bound_passes
 from model.network.transformer import Transformer
 
@@ -230,8 +230,6 @@ class DecodeSession:
         if shortlist is not None and shortlist.vocab_size != model.config.tgt_vocab_size:
             vocab = model.config.tgt_vocab_size
             raise ValueError(f"shortlist of {shortlist.vocab_size} pieces for a vocabulary of {vocab}")
-        if penalized(options):  # per piece id: the whole vocabulary
-            shortlist = vocabulary = None
         if shortlist is not None and model.output_bias is not None:
             raise ValueError("a shortlist scores the output projection's rows without a bias; this model has one")
         if shortlist is not None and model.output_matrix().is_meta:
@@ -394,7 +392,7 @@ class DecodeSession:
             logits = logits.float()
         beams = rows.beams
         if penalized(self.options):
-            self._penalize(logits, computed)
+            self._penalize(logits, computed, columns, own)
         eos = self.model.config.eos_id
         scored = logits if computed is not None else logits.view(a, w, -1)
         own = own if own is None or computed is not None else own.view(a, w, -1)
@@ -408,16 +406,28 @@ class DecodeSession:
         if back is not None:  # greedy rows stay in place
             rows.gather = back
 
-    def _penalize(self, logits: torch.Tensor, computed: torch.Tensor | None) -> None:
-        """The repetition options on this step's logits (R, V), in place: each computed row's
-        hypothesis's pieces so far (``Beams.history``, by the steps since its sentence joined)."""
+    def _penalize(
+        self,
+        logits: torch.Tensor,
+        computed: torch.Tensor | None,
+        columns: ShortlistColumns | None = None,
+        own: torch.Tensor | None = None,
+    ) -> None:
+        """The repetition options on this step's logits, in place: (R, V) by piece id, or with a
+        shortlist's ``columns`` (R, N) over its ``always`` columns and ``own`` (R, E) over each
+        row's sentence's own (``penalties.apply_penalties``); each computed row's hypothesis's
+        pieces so far (``Beams.history``, by the steps since its sentence joined)."""
         rows, beams = self._rows, self._rows.beams
         a, w = len(rows), rows.width
         index = torch.arange(a * w, device=logits.device) if computed is None else computed
         generated = self.steps - rows.row_start()  # (A*W,)
         width = int(max(self.steps - s for s in rows.start_host))
         history = beams.history[:, :w, :width].reshape(a * w, width)
-        apply_penalties(logits.view(-1, logits.shape[-1]), history[index], generated[index], self.options)
+        if columns is None:
+            apply_penalties(logits.view(-1, logits.shape[-1]), history[index], generated[index], self.options)
+            return
+        assert own is not None  # (R, N) and (R, E)
+        apply_penalties(logits, history[index], generated[index], self.options, columns, own, index // w)
 
     def _rows_to_compute(self, decoder: DecoderStep) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
         """The rows this step computes where sentences joined the running beam batch since its

@@ -32,7 +32,7 @@ class DecodingOptions:
     ``length_penalty`` is GNMT's alpha: scores are log P / ((5 + length) / 6) ** alpha.
     ``repetition_penalty`` (1: off) and ``no_repeat_ngram_size`` (0: off) keep a model from
     answering with a loop, as CTranslate2 and ``transformers`` name and define them
-    (``model.engine.penalties``); with either on, decoding scores every piece (no shortlist).
+    (``model.engine.penalties``), with or without a shortlist (applied in its columns).
     """
 
     beam_size: int = 4

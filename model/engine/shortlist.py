@@ -164,6 +164,35 @@ class ShortlistColumns:
         the tensor operations' batched product (``DecoderStep``), made once per change."""
         return self.extra_rows[self.padded[0]].to(self.always_rows.dtype)
 
+    @functools.cached_property
+    def always_column(self) -> torch.Tensor:
+        """(max(always) + 1,) int64: each piece's column among ``always``, -1 for a piece not in
+        it (pieces past the end are in none), made once per change (``column_of``)."""
+        size = int(self.always.max()) + 1 if self.always.numel() else 0
+        lookup = torch.full((size,), -1, dtype=torch.long, device=self.always.device)
+        lookup[self.always] = torch.arange(self.always.numel(), device=self.always.device)
+        return lookup
+
+    @functools.cached_property
+    def own_ids(self) -> torch.Tensor:
+        """(A, E) int64: each sentence's own ids by column, -1 past its count, made once per change."""
+        index, own = self.padded
+        return torch.where(own, self.extra_ids[index], -1)
+
+    def column_of(self, sentence: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sentence (M,) a sentence's place in ``spans`` and ids (M,) a piece of it -> (M,) the
+        piece's column in that sentence's rows: c < N the ``always`` column c, N + j its own
+        column j, -1 for a piece that is neither (a row never scores it)."""
+        lookup, n = self.always_column, self.always.numel()
+        inside = ids < lookup.numel()
+        column = torch.where(inside, lookup[torch.where(inside, ids, 0)], -1) if n else torch.full_like(ids, -1)
+        rest = (column < 0).nonzero()[:, 0]
+        if rest.numel() and self.width:  # the others: among the sentence's own ids
+            match = self.own_ids[sentence[rest]] == ids[rest, None]  # (M', E)
+            found = match.any(dim=1)
+            column[rest] = torch.where(found, n + match.long().argmax(dim=1), -1)
+        return column
+
 
 class Vocabulary:
     """A decoding session's shortlist columns (``ShortlistColumns``): the rows of the output
