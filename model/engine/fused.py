@@ -218,10 +218,12 @@ def _sources() -> list[Path]:
 
 def _name(variant: str) -> str:
     """The extension's name: the variant and a short hash of what its build depends on (every C++
-    source and header, by name and content, the flags, torch's version), so two checkouts, an
-    upgrade or another torch on one machine never load each other's build, a header's edit
-    rebuilds, and a build found under it is the right one."""
-    digest = hashlib.sha256()
+    source and header, by name and content, the flags, torch's version, and the sources' folder),
+    so two checkouts, an upgrade or another torch on one machine never load each other's build, a
+    header's edit rebuilds, and a build found under it is the right one. The folder is in it
+    because torch's builder rebuilds a folder whose sources moved: two checkouts sharing one name
+    rebuilt it in turn, each build locking out the other's processes."""
+    digest = hashlib.sha256(str(CSRC.resolve()).encode() + b"\0")
     for path in sorted([*_sources(), *CSRC.glob("*.h")]):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     digest.update(" ".join([*_cflags(variant), torch.__version__]).encode())
