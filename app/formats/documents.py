@@ -107,8 +107,9 @@ def parse(filename: str, data: bytes, zip_limits: ZipLimits | None = None, max_p
         return WordDocument.parse(data, limits)
     if fmt.suffix in (".odt", ".odp"):
         return OpenDocument.parse(data, fmt, limits, max_pages)
-    # the PDF and PowerPoint modules load their libraries at first use: a third of a second of
-    # every start, and their memory, in a server that may never see such a file
+    # the PDF and PowerPoint modules load their libraries at first use: importing them slowed
+    # every start and held their memory in a server that may never see such a file
+    # (docs/testing.md#suite-time)
     if fmt.suffix == ".pptx":
         from app.formats.slides import Presentation
 
