@@ -32,12 +32,6 @@ def position_table(model: Transformer) -> torch.Tensor:
     return positions
 
 
-def model_device(model: Transformer) -> torch.device:
-    """Where the model runs: its target embeddings' device (never released, unlike an untied
-    output matrix, which inference on packed kernels leaves on the meta device)."""
-    return model.tgt_embed.tokens.weight.device
-
-
 def step_dtype(model: Transformer) -> torch.dtype:
     """What a decoder step computes in (its position table's dtype)."""
     return position_table(model).dtype
@@ -87,7 +81,7 @@ class Norm:
 class FewRows:
     """Products of at most ``limit`` rows on the fused kernels' own matrix product (``linear``:
     the weights streamed with a prefetch, bias and ReLU in the same pass: faster than MKL there),
-    and of up to ``panel_limit`` rows on a copy of the weight packed into panels (``panel_linear``,
+    and of up to ``panel_limit`` rows on a copy of the weight packed into panels (``panel_columns``,
     packed at the layer's first such call: faster than MKL up to a few hundred rows;
     docs/benchmarks/README.md#linear-kernels);
     more rows, or a weight they cannot read (packed int8 or oneDNN weights, a float16 table), on
@@ -114,7 +108,8 @@ class FewRows:
         int8, whose float weight may be kept for lookups or as a reference), and its products of
         more, up to ``panel_limit``, on packed panels where the layer runs MKL (``aten``: a model
         that kept its float weights; ``loading.load`` gives such layers their panels alone) and
-        ``panels`` (not for the output projection: a vocabulary-wide copy whose gain is unknown)."""
+        ``panels`` (not for the output projection of a model that kept its float weights: a second
+        vocabulary-wide copy; ``loading.load`` gives it its panels alone as well)."""
         kernels = self.kernels
         if kernels is None:
             return bound
@@ -122,10 +117,11 @@ class FewRows:
             return self._int8(bound, kernel, weight, bias)
         few = self.limit if fused.streamable(weight, bias) else 0
         on_mkl = panels and kernel is kernel_aten
-        panel_limit = self.panel_limit if on_mkl and fused.packable(weight, bias, kernels.panel_width()) else 0
+        panel_limit = self.panel_limit if on_mkl and fused.packable(weight, bias) else 0
         if few <= 0 and panel_limit <= few:
             return bound
-        linear, panel_linear, b = kernels.linear, kernels.panel_linear, NO_BIAS if bias is None else bias
+        linear, panel_columns, b = kernels.linear, kernels.panel_columns, NO_BIAS if bias is None else bias
+        n = weight.shape[0]
         packed: list[torch.Tensor] = []  # the panels, made at the first product that takes them
 
         def run(x: torch.Tensor, relu: bool = False) -> torch.Tensor:
@@ -135,7 +131,7 @@ class FewRows:
             if rows <= panel_limit and panel_limit and x.is_contiguous():
                 if not packed:
                     packed.append(kernels.pack_panels(weight))
-                return panel_linear(x, packed[0], b, relu)
+                return panel_columns(x, packed[0], b, relu, n)
             return bound(x, relu)
 
         return run
@@ -259,7 +255,9 @@ def panel_stack(
         named: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, module in linears.items():
             kernel = module.kernel
-            if not isinstance(kernel, PackedPanels) or kernel.product != kernels.panel_linear:
+            if not isinstance(kernel, PackedPanels) or kernel.product != kernels.panel_columns:
+                return None
+            if not kernel.whole_panels:  # (the stack reads whole panels: none padded)
                 return None
             named[name] = (kernel.panels, kernel.bias)
         for name, norm in norms.items():

@@ -22,6 +22,7 @@ from model.engine.beams import Beams, Hypothesis, cat_padded
 from model.engine.binding import step_dtype
 from model.engine.cache import KVCache, init_cache, moves_of
 from model.engine.encoder import EncoderPass
+from model.engine.kernels.tables import output_table
 from model.engine.options import DecodingOptions
 from model.engine.penalties import apply_penalties, penalized
 from model.engine.search_ops import SearchOps, search_ops
@@ -232,12 +233,14 @@ class DecodeSession:
             raise ValueError(f"shortlist of {shortlist.vocab_size} pieces for a vocabulary of {vocab}")
         if shortlist is not None and model.output_bias is not None:
             raise ValueError("a shortlist scores the output projection's rows without a bias; this model has one")
-        if shortlist is not None and model.output_matrix().is_meta:
-            raise ValueError("a shortlist needs the output matrix's float rows (this model released them)")
+        # the output projection's rows the shortlist's columns gather
+        self._table = None if shortlist is None else output_table(model)
+        if shortlist is not None and self._table is None:
+            raise ValueError("a shortlist needs the output matrix's rows (this model's packed copy does not give them)")
         self.model, self.options, self.k = model, options, options.beam_size
         self.shortlist = shortlist
         self._passes: tuple[EncoderPass, DecoderStep] | None = None  # bound at first use, in inference mode
-        device = next(model.parameters()).device
+        device = model.device
         kernels = fused.load(model.fused_step) if device.type == "cpu" else None  # (never built for another device)
         # the beams' update, the shortlist's candidates and the cache's row copy (``model.engine.search_ops``)
         self._search: SearchOps = search_ops(kernels, device)
@@ -251,7 +254,7 @@ class DecodeSession:
         """Empty: the state of a new session."""
         self.steps = 0  # decoder steps run since the session was last empty
         self._cache: KVCache | None = None
-        device = next(self.model.parameters()).device
+        device = self.model.device
         self._rows = _SentenceRows(self.k, self.model.config.pad_id, device)
         vocab = self._own_vocab()
         if vocab is not None:
@@ -291,10 +294,10 @@ class DecodeSession:
             self._cache.extend_memory(cross_kv)
             rows.added += src.shape[0] * rows.width
         rows.append(tags, self.steps, [self.steps + n for n in limit], src_lengths, mask, cfg.bos_id)
-        if self.shortlist is not None:
+        if self.shortlist is not None and self._table is not None:
             vocab = self._own_vocab()
             if vocab is None:  # the first admission, or a later session took the columns over
-                vocab = self._vocab = Vocabulary(self.shortlist, model.output_matrix(), step_dtype(model))
+                vocab = self._vocab = Vocabulary(self.shortlist, self._table, step_dtype(model))
                 vocab.claim(self)
             candidates = self._search.candidates(self.shortlist, src, mask[:, 0, 0])  # padding is no piece
             vocab.join(candidates)

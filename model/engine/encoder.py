@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from model.engine.binding import BoundEncoderLayer, Norm, few_rows_of, fused_kernels, model_device, panel_stack
+from model.engine.binding import BoundEncoderLayer, Norm, few_rows_of, fused_kernels, panel_stack
 from model.engine.layer_ops import layer_ops
 from model.network.linear import uses_kernels
 from model.network.masks import padding_mask
@@ -39,7 +39,7 @@ class EncoderPass:
         cfg = model.config
         self.model = model
         self.heads, self.pad_id, self.norm_first = cfg.n_heads, cfg.pad_id, cfg.norm_first
-        fast = uses_kernels(model_device(model))
+        fast = uses_kernels(model.device)
         # the fused kernels' attention, post-LN joins and small products where the decoder step
         # has them: at one sentence the encoder's SDPA, head permutes, adds and norms cost a third
         # of its time (docs/benchmarks/README.md#linear-kernels), and MKL runs its products

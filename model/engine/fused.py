@@ -141,20 +141,18 @@ def int8_rows_limit(variant: str | None) -> int:
     return 0 if variant is None else INT8_ROWS.get(variant, 0)
 
 
-def int8_packable(quantized: torch.Tensor, width: int) -> bool:
-    """Whether the kernels' ``pack_int8`` takes this quantized weight (N, K): int8 on the CPU, N a
-    multiple of the panel ``width`` (``int8_panel_width``), K of 4."""
+def int8_packable(quantized: torch.Tensor) -> bool:
+    """Whether the kernels' ``pack_int8`` takes this quantized weight (N, K): int8 on the CPU, K a
+    multiple of 4 (any N: a vocabulary's last panel is padded, ``int8_columns``)."""
     q = quantized
-    return (
-        q.device.type == "cpu" and q.dtype == torch.int8 and q.dim() == 2 and q.shape[0] % width == 0
-        and q.shape[1] % 4 == 0
-    )  # fmt: skip
+    return q.device.type == "cpu" and q.dtype == torch.int8 and q.dim() == 2 and q.shape[1] % 4 == 0
 
 
-def packable(weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> bool:
-    """Whether the kernels' ``pack_panels`` takes this weight (N, K) and ``panel_linear`` this
-    bias (N): float32 CPU tensors with storage, contiguous, N a multiple of the panel ``width``."""
-    return _plain(weight, 2) and weight.shape[0] % width == 0 and (bias is None or _fits(bias, weight))
+def packable(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the kernels' ``pack_panels`` takes this weight (N, K) and ``panel_columns`` this
+    bias (N): float32 CPU tensors with storage, contiguous (any N: a vocabulary's last panel is
+    padded)."""
+    return _plain(weight, 2) and (bias is None or _fits(bias, weight))
 
 
 def _plain(t: torch.Tensor, dim: int) -> bool:

@@ -17,10 +17,10 @@ from types import ModuleType
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from model.engine.binding import Norm
 from model.engine.cache import CrossAttentionCache, SelfAttentionCache
+from model.engine.kernels.tables import TokenTable, token_table
 from model.engine.shortlist import ShortlistColumns
 from model.network.attention import attend
 from model.network.transformer import Embedding
@@ -67,8 +67,9 @@ class StepShape:
 class LayerOps(Protocol):
     """What a decoder step and an encoder pass run between their matrix products."""
 
-    def embed(self, tokens: torch.Tensor, table: torch.Tensor, where: torch.Tensor, scale: float) -> torch.Tensor:
-        """tokens (R,) ids, table (V, D), where (D,) or (R, D) positions -> scale * table[tokens] + where."""
+    def embed(self, tokens: torch.Tensor, table: TokenTable, where: torch.Tensor, scale: float) -> torch.Tensor:
+        """tokens (R,) ids, table (its rows (V, D) or packed), where (D,) or (R, D) positions -> (R, D)
+        scale * table[tokens] + where."""
         ...
 
     def begin(
@@ -151,8 +152,8 @@ class TensorOps:
         self.scale = torch.tensor(1.0 / math.sqrt(head_dim), dtype=torch.float32)
         self._memory: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (memory mask, its bias)
 
-    def embed(self, tokens: torch.Tensor, table: torch.Tensor, where: torch.Tensor, scale: float) -> torch.Tensor:
-        embedded = F.embedding(tokens, table)
+    def embed(self, tokens: torch.Tensor, table: TokenTable, where: torch.Tensor, scale: float) -> torch.Tensor:
+        embedded = table(tokens)
         if embedded.dtype != where.dtype:  # a float16 lookup table (loading.release_output_projection)
             embedded = embedded.to(where.dtype)
         return torch.add(where, embedded, alpha=scale)  # (R, D)
@@ -249,8 +250,8 @@ class FusedOps:
         self.scale = 1.0 / math.sqrt(head_dim)  # the float the kernels take
         self._memory_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (mask, mask[:, 0, 0])
 
-    def embed(self, tokens: torch.Tensor, table: torch.Tensor, where: torch.Tensor, scale: float) -> torch.Tensor:
-        return self.kernels.embed(tokens, table, where, scale)
+    def embed(self, tokens: torch.Tensor, table: TokenTable, where: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.kernels.embed(tokens, table.data, table.scales, where, scale)
 
     def begin(
         self,
@@ -307,7 +308,8 @@ class FusedOps:
         ids, positions = (
             (src.reshape(-1), table[:s]) if tokens is None else (src.reshape(-1)[tokens], table[tokens % s])
         )
-        return self.kernels.embed(ids, embedding.tokens.weight, positions, embedding.scale)
+        tokens_table = token_table(embedding)
+        return self.kernels.embed(ids, tokens_table.data, tokens_table.scales, positions, embedding.scale)
 
     def own_logits(self, x: torch.Tensor, columns: ShortlistColumns, sentences: torch.Tensor | None) -> torch.Tensor:
         """One call (``span_logits``) where the kernels read the rows' dtype and width; the

@@ -26,7 +26,7 @@ from model.engine.options import DecodingOptions, Repetition
 from model.engine.shortlist import Shortlist
 from model.network.config import ModelConfig
 from model.network.tokenizer import Tokenizer, target_prefix
-from model.network.transformer import Transformer
+from model.network.transformer import Embedding, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +85,9 @@ def load(
     (float32, bfloat16, float16 or int8; eval mode), with the linear kernels ``kernels.choose``
     picks for it and this CPU (or ``features``). Layers that run on packed copies (int8, float32
     on oneDNN, float32 on the fused kernels' panels: a plan on ``panels``) give their float
-    weights up (``kernels.release_float_weights``; the output
-    projection too, its embeddings kept for the lookups, in float16 where exact:
-    ``release_output_projection``), so the model is for inference only; ``keep_float_weights``
+    weights up (``kernels.release_float_weights``; the output projection too, a tied one's
+    lookups then reading its packed copy or a float16 table: ``release_output_projection``), so
+    the model is for inference only; ``keep_float_weights``
     keeps them (converters and tools that read the weights). ``fused``: whether the decoder step
     runs the fused kernels (``model.engine.fused``; default ``TRANSLATOR_FUSED_STEP``, on). Raises
     ``kernels.UnsupportedPrecision`` before reading anything when the precision cannot run here."""
@@ -104,8 +104,7 @@ def load(
     int8 = kernels.int8_kernels(plan) if model.fused_step is not None else None  # (int8 on the kernels' panels)
     if (plan.kernel in ("fbgemm-int8", "onednn") or panels is not None) and not keep_float_weights:
         released = kernels.release_float_weights(model, keep=[model.output_matrix()], panels=panels, int8=int8)
-        if panels is None:  # (on panels the output projection keeps its float32 rows: the shortlist's)
-            released += release_output_projection(model, int8)
+        released += release_output_projection(model, panels, int8)
         if released:
             log.info("%s: released %.1f MiB of float weights that packed copies replace", precision, released / 2**20)
     log.info("loaded %s (%d parameters): %s", path, model.num_parameters(), plan.describe())
@@ -148,7 +147,7 @@ def use_shortlist(ckpt: Checkpoint, wanted: bool = True) -> Shortlist | None:
     if not wanted or ckpt.plan.precision == "int8" or ckpt.model.output_bias is not None:
         return None  # (a shortlist scores gathered rows without a bias: none for models with one)
     found = load_shortlist(ckpt.path, ckpt.config.tgt_vocab_size)
-    device = ckpt.model.tgt_embed.tokens.weight.device
+    device = ckpt.model.device
     if found is not None and device.type != "cpu":  # beside the model: a session reads it with the sources
         found = found.to(device)
     if found is not None:
@@ -162,15 +161,25 @@ def use_shortlist(ckpt: Checkpoint, wanted: bool = True) -> Shortlist | None:
 def shortlist_output(model: Transformer) -> int:
     """For decoding through a shortlist, a float32 CPU model with tied embeddings keeps its
     output projection once, as the token table the lookups and the shortlist's gathered rows
-    read: a packed copy (``release_output_projection``) is freed, the table is stored in
-    float16 where that holds every value exactly, and the whole-vocabulary projection converts
-    it per call (``kernels.upcast``: slower, for what seldom needs it). Untied models and other
-    precisions are left as they are. -> bytes freed (7.8 MiB packed, 3.9 MiB of table, for
-    8,000 x 256)."""
+    read: a packed copy (``release_output_projection``) gives way to the float rows (the fused
+    kernels' panels are unpacked back into them, exactly), the table is stored in float16 where
+    that holds every value exactly, and the whole-vocabulary projection converts it per call
+    (``kernels.upcast``: slower, for what seldom needs it). Untied models and other precisions
+    are left as they are. -> bytes freed (7.8 MiB packed, 3.9 MiB of table, for 8,000 x 256)."""
     kernel, table = model.kernel, model.output_matrix()
-    if model.output is not None or table.is_meta or table.device.type != "cpu":
+    if model.output is not None or model.device.type != "cpu":
         return 0
-    if isinstance(kernel, kernels.PackedOneDNN):  # its table is float16 already, where exact
+    if isinstance(kernel, kernels.PackedPanels):  # the panels were the table: rows again, halved where exact
+        rows = kernels.unpacked_rows(kernel)
+        tokens = model.tgt_embed.tokens
+        tokens.weight = nn.Parameter(rows, requires_grad=False)
+        for embedding in _sharing(model, tokens):
+            embedding.lookup = None
+        freed = kernel.panels.numel() * kernel.panels.element_size() - rows.numel() * rows.element_size()
+        freed += _half_token_tables(model)
+    elif table.is_meta:
+        return 0
+    elif isinstance(kernel, kernels.PackedOneDNN):  # its table is float16 already, where exact
         freed = kernel.packed_weight.numel() * kernel.packed_weight.element_size()
     elif kernel is kernels.aten and table.dtype == torch.float32:
         freed = _half_token_tables(model)
@@ -180,6 +189,11 @@ def shortlist_output(model: Transformer) -> int:
     return freed
 
 
+def _sharing(model: Transformer, tokens: nn.Embedding) -> list[Embedding]:
+    """The model's embeddings (source, target) that look ``tokens`` up."""
+    return [e for e in (model.src_embed, model.tgt_embed) if e.tokens is tokens]
+
+
 def _half_token_tables(model: Transformer) -> int:
     """Keep the token tables in float16 where that holds every value exactly (weights shipped in
     float16 do); the lookups upcast the rows they read: the same numbers in half the memory.
@@ -187,30 +201,45 @@ def _half_token_tables(model: Transformer) -> int:
     released = 0
     for tokens in {id(e.tokens): e.tokens for e in (model.src_embed, model.tgt_embed)}.values():
         table = tokens.weight
-        if table.dtype != torch.float32 or not torch.equal(table.half().float(), table):
+        if table.is_meta or not _half_exact(table):
             continue
         released += table.numel() * (table.element_size() - 2)
         tokens.weight = nn.Parameter(table.detach().half(), requires_grad=False)
     return released
 
 
-def release_output_projection(model: Transformer, int8: ModuleType | None = None) -> int:
+def release_output_projection(
+    model: Transformer, panels: ModuleType | None = None, int8: ModuleType | None = None
+) -> int:
     """For inference on packed kernels (after ``kernels.release_float_weights``): the output
-    projection runs on a packed copy of its own (``model.kernel``), so its float matrix is read
-    by nothing else when untied (released to a placeholder), and only by the token lookups when
-    tied to the embeddings. The lookups then keep the embeddings in float16 where that holds
-    every value exactly (weights shipped in float16 do), upcast row by row as they are read:
-    the same numbers in half the memory (V x D x 2 bytes, 3.9 MiB for 8,000 x 256). ``int8``: the
-    fused kernels that take every int8 product (``kernels.int8_kernels``), whose int8 panels then
-    hold an int8 projection instead of fbgemm's packed copy.
+    projection runs on a packed copy of its own (``model.kernel``; ``panels``: the fused kernels'
+    float32 panels, on a plan that names them; ``int8``: their int8 panels, where they take every
+    int8 product), so its float matrix is read by nothing else when untied (released to a
+    placeholder), and only by the token lookups when tied to the embeddings. Those then read, in
+    this order: the fused kernels' float32 panels (the same numbers, no second copy); the
+    embeddings in float16 where that holds every value exactly (weights shipped in float16 do),
+    upcast row by row; the int8 panels, dequantized row by row as CTranslate2 reads an int8
+    model's embeddings (a vocabulary-wide float32 copy otherwise: 119 MiB at 58k x 512, most of
+    such a model's memory); else the float rows. The packed tables: ``kernels.tables``.
     -> bytes released."""
     out = model.output_matrix()
-    packed = kernels.packed_kernel(model.kernel, out, model.output_bias, int8=int8)
+    packed = kernels.packed_kernel(model.kernel, out, model.output_bias, panels=panels, int8=int8)
     if packed is None:
         return 0
     model.kernel = packed
-    released = 0
+    placeholder = nn.Parameter(torch.empty_like(out, device="meta"), requires_grad=False)
     if model.output is not None:  # untied: the packed copy is its only reader
-        released += out.numel() * out.element_size()
-        model.output.weight = nn.Parameter(torch.empty_like(out, device="meta"), requires_grad=False)
-    return released + _half_token_tables(model)
+        model.output.weight = placeholder
+        return out.numel() * out.element_size() + _half_token_tables(model)
+    table = kernels.packed_table(packed)
+    if table is not None and (isinstance(packed, kernels.PackedPanels) or not _half_exact(out)):
+        tokens = model.tgt_embed.tokens
+        for embedding in _sharing(model, tokens):
+            embedding.lookup = table
+        tokens.weight = placeholder
+        return out.numel() * out.element_size() + _half_token_tables(model)
+    return _half_token_tables(model)
+
+
+def _half_exact(table: torch.Tensor) -> bool:
+    return table.dtype == torch.float32 and torch.equal(table.half().float(), table)

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
+
+from model.engine.kernels.tables import TokenTable
 
 log = logging.getLogger(__name__)
 
@@ -207,20 +208,21 @@ class Vocabulary:
     own in a large batch, and in a continuously fed batch the columns of sentences that had left
     lingered until a remake paid (docs/benchmarks/README.md#shortlist)."""
 
-    def __init__(self, shortlist: Shortlist, matrix: torch.Tensor, dtype: torch.dtype) -> None:
-        """matrix (V, D) the output projection; its rows are scored in ``dtype``."""
-        self.shortlist = shortlist.to(matrix.device)
-        self.matrix, self.dtype, self.device = matrix, dtype, matrix.device
+    def __init__(self, shortlist: Shortlist, table: TokenTable, dtype: torch.dtype) -> None:
+        """table: the output projection's rows (V, D) (``tables.output_table``: its float rows, or
+        the packed copy that holds them); its rows are scored in ``dtype``."""
+        self.shortlist = shortlist.to(table.data.device)
+        self.table, self.dtype, self.device = table, dtype, table.data.device
         self.is_always = torch.zeros(shortlist.vocab_size, dtype=torch.bool, device=self.device)
         self.is_always[self.shortlist.always] = True
-        self.always_rows = matrix[self.shortlist.always].to(dtype)  # (N, D)
+        self.always_rows = table(self.shortlist.always).to(dtype)  # (N, D)
         self._panels: torch.Tensor | None = None
         self.owner: Callable[[], object] = lambda: None  # the session using it (``claim``)
         # the sentences' own rows stay in float16 where the matrix is (the shipped ones: exact), read
         # by the fused kernels at half the bytes (``span_logits`` is bound by them)
-        self.rows_dtype = torch.float16 if matrix.dtype == torch.float16 and dtype == torch.float32 else dtype
+        self.rows_dtype = torch.float16 if table.data.dtype == torch.float16 and dtype == torch.float32 else dtype
         self._ids = torch.empty(0, dtype=torch.long, device=self.device)  # (capacity,) own ids laid end to end
-        self._rows = torch.empty(0, matrix.shape[1], dtype=self.rows_dtype, device=self.device)  # (capacity, D)
+        self._rows = torch.empty(0, table.width, dtype=self.rows_dtype, device=self.device)  # (capacity, D)
         self.end = 0  # the first unused place in the buffers
         self.first: list[int] = []  # each active sentence's first place, in batch order
         self.count: list[int] = []  # and how many it has
@@ -238,9 +240,7 @@ class Vocabulary:
         packed once. float32 rows only."""
         width = kernels.panel_width()
         if self._panels is None or self._panels.shape[2] != width:
-            rows = self.always_rows
-            short = -rows.shape[0] % width
-            self._panels = kernels.pack_panels(F.pad(rows, (0, 0, 0, short)) if short else rows.contiguous())
+            self._panels = kernels.pack_panels(self.always_rows.contiguous())
         return self._panels
 
     def columns(self) -> ShortlistColumns:
@@ -287,7 +287,7 @@ class Vocabulary:
         if self.end + n > self._ids.numel():
             self._make_room(n)
         self._ids[self.end : self.end + n] = ids
-        self._rows[self.end : self.end + n] = self.matrix[ids]
+        self._rows[self.end : self.end + n] = self.table(ids)
         for count in counts.tolist():
             self.first.append(self.end)
             self.count.append(count)
@@ -314,7 +314,7 @@ class Vocabulary:
         ids, rows = self._ids[index], self._rows[index]
         if capacity != self._ids.numel():
             self._ids = torch.empty(capacity, dtype=torch.long, device=self.device)
-            self._rows = torch.empty(capacity, self.matrix.shape[1], dtype=self.rows_dtype, device=self.device)
+            self._rows = torch.empty(capacity, self.table.width, dtype=self.rows_dtype, device=self.device)
         self._ids[:live], self._rows[:live] = ids, rows
         self.first = list(itertools.accumulate([0, *self.count[:-1]])) if self.count else []
         self.end = live

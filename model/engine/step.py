@@ -31,14 +31,13 @@ from model.engine.binding import (
     bind_layer,
     few_rows_of,
     fused_kernels,
-    model_device,
     panel_stack,
     position_table,
     through,
 )
 from model.engine.cache import KVCache
 from model.engine.encoder import EncoderPass
-from model.engine.kernels import bind
+from model.engine.kernels import bind, token_table
 from model.engine.layer_ops import StepShape, layer_ops
 from model.engine.shortlist import ShortlistColumns
 from model.network.linear import uses_kernels
@@ -54,7 +53,7 @@ class DecoderStep:
         self.heads, self.head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
         self.norm_first = cfg.norm_first
         # The bound kernels skip autograd and autocast; anything else takes the modules' path.
-        fast = uses_kernels(model_device(model))
+        fast = uses_kernels(model.device)
         embed = model.tgt_embed
         self.positions = position_table(model)
         self.fused = fused_kernels(model, fast)
@@ -77,7 +76,7 @@ class DecoderStep:
             else through(model.kernel, out, bias)
         )
         self.final_norm = None if model.decoder_norm is None else Norm.of(model.decoder_norm)
-        self.tokens, self.embed_scale = embed.tokens.weight, embed.scale
+        self.tokens, self.embed_scale = token_table(embed), embed.scale
         self.max_positions = embed.max_positions
         self.scale_value = 1.0 / math.sqrt(self.head_dim)  # (the float the fused kernels take)
         # the K/V cache in float16 (int8 plans: kernels.KernelPlan.kv_dtype), for the fused kernels only
@@ -239,7 +238,7 @@ class _Passes:
 
 def _bound_under(model: Transformer, parameters: list[nn.Parameter]) -> tuple[object, ...]:
     return (
-        uses_kernels(model_device(model)),
+        uses_kernels(model.device),
         model.fused_step,
         model.kv_dtype,
         id(model.kernel),

@@ -10,6 +10,7 @@ import torch
 from model.engine.batches import pad, token_batches
 from model.engine.binding import step_dtype
 from model.engine.decoding import Decoded, DecodeSession, Finished, Hypothesis, collect, decode_stream
+from model.engine.kernels.tables import output_table
 from model.engine.options import DecodingOptions
 from model.engine.shortlist import Shortlist, Vocabulary
 from model.network.tokenizer import Tokenizer
@@ -64,7 +65,7 @@ def source_batch(model: Transformer, batch: Sequence[Sequence[int]], prefix: Seq
     if too_long:
         raise ValueError(f"source of {max(too_long)} tokens exceeds {limit}")
     end = cfg.source_suffix
-    return pad([[*prefix, *ids, *end] for ids in batch], cfg.pad_id).to(next(model.parameters()).device)
+    return pad([[*prefix, *ids, *end] for ids in batch], cfg.pad_id).to(model.device)
 
 
 class IdsSession:
@@ -127,7 +128,7 @@ class Translator:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return self.model.device
 
     @property
     def max_source_tokens(self) -> int:
@@ -168,11 +169,12 @@ class Translator:
         always-candidates' rows are gathered once, not once a call (a gather that is a sizeable
         part of one sentence's decoding: docs/benchmarks/README.md#numbers-behind-the-code). A
         translator serves one thread at a time."""
-        if self.shortlist is None:
+        table = None if self.shortlist is None else output_table(self.model)
+        if self.shortlist is None or table is None:  # (no rows to gather: the session says so)
             return None
         if self._vocabulary is None:
             with torch.inference_mode():
-                self._vocabulary = Vocabulary(self.shortlist, self.model.output_matrix(), step_dtype(self.model))
+                self._vocabulary = Vocabulary(self.shortlist, table, step_dtype(self.model))
         return None if self._vocabulary.in_use else self._vocabulary
 
     def to_translation(self, src_ids: Sequence[int], hyps: Sequence[Hypothesis]) -> Translation:

@@ -57,6 +57,9 @@ class Embedding(nn.Module):
     def __init__(self, tokens: nn.Embedding, config: ModelConfig) -> None:
         super().__init__()
         self.tokens = tokens
+        # What the lookups read where not ``tokens``' rows: the engine's packed output projection
+        # of a tied model (model.engine.kernels.tables), which then releases those rows.
+        self.lookup: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
         self.dropout = nn.Dropout(config.dropout)
         self.max_positions = config.max_positions
@@ -80,7 +83,7 @@ class Embedding(nn.Module):
         table = self.learned.weight if self.learned is not None else self.table
         assert table is not None
         where = table[offset:end] if positions is None else table[positions][:, None]  # (T, D) | (B, 1, D)
-        x = self.tokens(ids)
+        x = self.tokens(ids) if self.lookup is None else self.lookup(ids)
         if x.dtype != where.dtype:  # a float16 lookup table (loading.release_output_projection)
             x = x.to(where.dtype)
         return dropout(self.dropout, x * self.scale + where)
@@ -321,6 +324,12 @@ class Transformer(nn.Module):
         logits, self_ws, cross_ws = self.decode(tgt_in, memory, mask, need_weights=True)
         maps = AttentionMaps(torch.stack(enc_ws), torch.stack(self_ws), torch.stack(cross_ws))
         return logits, maps
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs: its first decoder layer's norm's device. (The engine leaves the
+        weights that packed copies replace, the token table too, on the meta device.)"""
+        return self.decoder_layers[0].ff_block.norm.weight.device
 
     def num_parameters(self) -> int:
         """Distinct parameters (a shared matrix counts once)."""

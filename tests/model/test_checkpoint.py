@@ -123,8 +123,8 @@ def test_inference_reads_the_embeddings_once_and_in_float16_where_exact(
 def test_float32_layers_where_mkl_would_run_keep_only_their_panels(tmp_path: Path, tiny_tokenizer: Tokenizer) -> None:
     """Loaded for inference in float32 where the plan runs MKL's sgemm (an Intel CPU) and the fused
     kernels build: every layer whose weight the panels take runs from its panels alone
-    (``PackedPanels``, the float weight a placeholder), the output projection keeps its rows (the
-    shortlist gathers them); logits match the kept float weights' to float rounding (those run
+    (``PackedPanels``, the float weight a placeholder), the output projection too, its panels the
+    tied token table (``kernels.TokenTable``); logits match the kept float weights' to float rounding (those run
     other products at some row counts) and translations are the same; with gradients a released
     layer refuses to run."""
     features = replace(detected(), intel=True)
@@ -142,7 +142,9 @@ def test_float32_layers_where_mkl_would_run_keep_only_their_panels(tmp_path: Pat
         assert isinstance(layer.kernel, kernels.PackedPanels) and kernels.is_packed(layer.kernel)
         assert layer.weight.is_meta
     assert not full.decoder_layers[1].ff.fc2.weight.is_meta
-    assert not lean.output_matrix().is_meta and lean.kernel is full.kernel
+    # the output projection on its panels too, which the tied lookups read: no float rows beside them
+    assert isinstance(lean.kernel, kernels.PackedPanels) and lean.output_matrix().is_meta
+    assert lean.src_embed.lookup is lean.tgt_embed.lookup and isinstance(lean.tgt_embed.lookup, kernels.TokenTable)
     src, tgt = torch.tensor([[5, 6, 7, 3], [9, 3, 0, 0]]), torch.tensor([[2, 8, 9], [2, 4, 0]])
     with torch.inference_mode():
         torch.testing.assert_close(lean(src, tgt), full(src, tgt), atol=1e-4, rtol=1e-4)

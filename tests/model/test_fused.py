@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from model.engine import fused, kernels, loading
 from model.engine.batches import pad
@@ -31,6 +32,7 @@ from model.engine.features import (
     runnable_variants,
 )
 from model.engine.kernels import fbgemm_ops
+from model.engine.kernels.tables import NO_SCALES
 from model.engine.options import DecodingOptions
 from model.engine.search_ops import FusedSearchOps, SearchOps, TensorSearchOps
 from model.engine.shortlist import ShortlistColumns
@@ -184,8 +186,15 @@ def test_panel_products_are_torchs_to_float_rounding(variant: str) -> None:
     nan_row[0, 5] = float("nan")
     got = kernels_module.panel_linear(nan_row, kernels_module.pack_panels(torch.randn(width, 24)), torch.empty(0), True)
     assert got[0].isnan().all() and not got[1:].isnan().any()  # ReLU keeps NaN, as torch's
-    with pytest.raises(RuntimeError, match="multiple of"):
-        kernels_module.pack_panels(torch.randn(width + 1, 8))
+    # a weight of no whole number of panels (a vocabulary): the last panel padded with zeros, and
+    # panel_columns gives its rows' columns alone, bias and ReLU included
+    odd, odd_bias = torch.randn(2 * width + 3, 40), torch.randn(2 * width + 3)
+    padded = kernels_module.pack_panels(odd)
+    assert padded.shape == (3, 40, width) and not padded[2, :, 3:].any()
+    x = torch.randn(9, 40)
+    got = kernels_module.panel_columns(x, padded, odd_bias, True, odd.shape[0])
+    torch.testing.assert_close(got, torch.addmm(odd_bias, x, odd.t()).relu(), atol=3e-5, rtol=1e-5)
+    assert torch.equal(kernels_module.pack_panels(odd[:3]).transpose(1, 2)[0, :3], odd[:3])
     # a product that keeps only the first columns (a shortlist's, its last panel padded): the
     # same numbers as the whole product's first columns, for every count the panels can hold
     w = torch.randn(3 * width, 64)
@@ -265,13 +274,13 @@ def test_few_row_products_follow_the_variant_and_the_weights() -> None:
         0,
         0,
     ]
-    assert fused.packable(w, None, 32) and fused.packable(w, torch.zeros(32), 16)
-    assert fused.packable(torch.randn(32, 24), None, 32)  # any K
-    assert not fused.packable(torch.randn(48, 64), None, 32)  # N not whole panels
-    assert not fused.packable(w.half(), None, 32)
-    assert not fused.packable(torch.empty(32, 64, device="meta"), None, 32)
-    assert not fused.packable(w.t(), None, 32)
-    assert not fused.packable(w, torch.zeros(31), 32)
+    assert fused.packable(w, None) and fused.packable(w, torch.zeros(32))
+    assert fused.packable(torch.randn(32, 24), None)  # any K
+    assert fused.packable(torch.randn(48, 64), None)  # any N: the last panel padded
+    assert not fused.packable(w.half(), None)
+    assert not fused.packable(torch.empty(32, 64, device="meta"), None)
+    assert not fused.packable(w.t(), None)
+    assert not fused.packable(w, torch.zeros(31))
 
 
 @pytest.mark.parametrize("variant", variants(RUNNABLE))
@@ -301,7 +310,7 @@ def test_small_products_run_on_the_kernels_and_large_ones_on_torch(variant: str)
             (model.decoder_layers[0].ff.fc1, step.layers[0].fc1),
             (model.encoder_layers[1].self_attn.qkv, encoder.layers[1].qkv),
         ]:
-            assert fused.packable(layer.weight, layer.bias, kernels_module.panel_width())
+            assert fused.packable(layer.weight, layer.bias)
             panels = kernels_module.pack_panels(layer.weight)
             for rows in sorted({1, few, few + 1, 8, panel, panel + 1} - {0}):
                 x = torch.randn(rows, layer.weight.shape[1])
@@ -343,9 +352,10 @@ def test_int8_layers_run_int8_at_every_row_count() -> None:
             found = kernels.int8_weight(kernel, weight, bias)
             assert found is not None
             quantized, scales, b = found
-            # (the test vocabulary, 60, is no multiple of the panel width: fbgemm's at every row count)
-            takes = fused.int8_packable(quantized, kernels_module.int8_panel_width())
+            # (the test vocabulary, 60, is no multiple of the panel width: its last panel padded)
+            takes = fused.int8_packable(quantized)
             panels, colsums = kernels_module.pack_int8(quantized) if takes else (None, None)
+            scales = F.pad(scales, (0, 0 if colsums is None else colsums.shape[0] - scales.shape[0]))
             fbgemm = kernels.bind(kernel, weight, bias)
             for rows in sorted({1, 4, 9, min(limit + 1, 40)}):
                 x = torch.randn(rows, weight.shape[1])
@@ -353,8 +363,8 @@ def test_int8_layers_run_int8_at_every_row_count() -> None:
                 if rows <= limit and takes:
                     assert torch.equal(
                         got,
-                        kernels_module.int8_linear(
-                            x, panels, colsums, scales, torch.empty(0) if b is None else b, relu
+                        kernels_module.int8_columns(
+                            x, panels, colsums, scales, torch.empty(0) if b is None else b, relu, weight.shape[0]
                         ),
                     )
                 else:
@@ -425,8 +435,17 @@ def test_int8_products_quantize_each_row_as_fbgemm_quantizes_a_tensor(variant: s
     got = kernels_module.int8_linear(x, panels, colsums, ones, torch.empty(0), False)
     torch.testing.assert_close(got, _int8_reference(x, extreme, ones, None), atol=0, rtol=1e-6)
     assert got[0, 1].item() == pytest.approx(127 * 256, rel=1e-6)  # s = 1 / 127, codes 127, weights 127
-    with pytest.raises(RuntimeError, match="multiple of 16"):
-        kernels_module.pack_int8(torch.zeros(24, 32, dtype=torch.int8))
+    # N of no whole number of panels (a vocabulary): the last panel padded with zeros, and
+    # int8_columns computes the first N outputs alone, as the whole product's
+    odd = torch.randint(-127, 128, (21, 32), dtype=torch.int8)
+    panels_odd, colsums_odd = kernels_module.pack_int8(odd)
+    assert panels_odd.shape == (2, 8, 16, 4) and colsums_odd.shape == (32,) and not colsums_odd[21:].any()
+    x_odd, scales_odd, bias_odd = torch.randn(5, 32), torch.rand(32) + 0.5, torch.randn(21)
+    got = kernels_module.int8_columns(x_odd, panels_odd, colsums_odd, scales_odd, bias_odd, True, 21)
+    whole = kernels_module.int8_linear(x_odd, panels_odd, colsums_odd, scales_odd, F.pad(bias_odd, (0, 11)), True)
+    assert got.shape == (5, 21) and torch.equal(got, whole[:, :21])
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        kernels_module.pack_int8(torch.zeros(24, 30, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="x's K"):
         kernels_module.int8_linear(torch.randn(2, 64), panels, colsums, ones, torch.empty(0), False)
 
@@ -471,10 +490,14 @@ def test_the_encoder_runs_its_attention_and_joins_on_the_kernels(variant: str) -
             embedding = model.src_embed
             table = embedding.learned.weight if embedding.learned is not None else embedding.table
             assert table is not None
-            got = kernels_module.embed(src.reshape(-1), embedding.tokens.weight, table[: src.shape[1]], embedding.scale)
+            got = kernels_module.embed(
+                src.reshape(-1), embedding.tokens.weight, NO_SCALES, table[: src.shape[1]], embedding.scale
+            )
             torch.testing.assert_close(got, embedding(src).reshape(got.shape), atol=1e-6, rtol=1e-6)
             with pytest.raises(RuntimeError, match="positions do not match"):
-                kernels_module.embed(src.reshape(-1)[:-1], embedding.tokens.weight, table[: src.shape[1]], 1.0)
+                kernels_module.embed(
+                    src.reshape(-1)[:-1], embedding.tokens.weight, NO_SCALES, table[: src.shape[1]], 1.0
+                )
     b, s, h, dh = 3, 7, 4, 16
     qkv = torch.randn(b * s, 3 * h * dh)
     mask = torch.ones(b, s, dtype=torch.bool)

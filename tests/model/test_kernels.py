@@ -337,8 +337,8 @@ def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(
     tiny_weights_dir: Path, cpu: str, fused_step: bool
 ) -> None:
     """A loaded checkpoint's linear layers keep one copy of their weights. With the fused kernels
-    (the plan on ``panels``), every layer whose weight their panels take keeps only its panels
-    (``PackedPanels``), the others and the output projection their float weights. Without them,
+    (the plan on ``panels``), every layer keeps only its panels (``PackedPanels``), the output
+    projection too, and the tied token lookups read them. Without them,
     where float32 runs on oneDNN: the packed copy only (float weights released, biases and the
     embeddings the output projection shares kept), except the decoder step's layers where they run
     ``wx``, which keep their float weights and no packed copy; on Intel CPUs (MKL, ``aten``) the
@@ -361,10 +361,12 @@ def test_float32_load_keeps_one_copy_of_the_weights_and_translates_as_before(
         assert (panels is not None) == (ckpt.plan.kernel == "panels") == fused_step
         packed = [m for m in layers if isinstance(m.kernel, kernels.PackedPanels)]
         width = 0 if panels is None else panels.panel_width()
-        assert [m for m in layers if width and m.out_features % width == 0] == packed
-        assert all(m.weight.is_meta for m in packed) and not ckpt.model.output_matrix().is_meta
+        assert [m for m in layers if width] == packed  # (any width: a last panel is padded)
+        assert all(m.weight.is_meta for m in packed)
         assert all(m.kernel is kernels.aten and not m.weight.is_meta for m in layers if m not in packed)
-        assert ckpt.model.kernel is kernels.aten
+        # the output projection on panels too, the tied lookups reading them; else MKL on the rows
+        assert ckpt.model.output_matrix().is_meta == (panels is not None)
+        assert isinstance(ckpt.model.kernel, kernels.PackedPanels) if panels else ckpt.model.kernel is kernels.aten
         assert bool(packed) == (panels is not None and ckpt.model.fused_step is not None)
     else:
         step = ckpt.model.step_linears()
@@ -489,9 +491,10 @@ def test_load_installs_the_plan_and_refuses_before_reading(tiny_weights_dir: Pat
 @pytest.mark.skipif(not _runnable("int8"), reason="int8 needs AVX2 and fbgemm")
 def test_int8_load_keeps_one_copy_of_the_weights_and_decodes_as_before(tiny_weights_dir: Path) -> None:
     """An int8 checkpoint holds its linear layers as packed int8 only (fbgemm's or the fused kernels'
-    panels; float weights released,
-    the embeddings the output projection shares kept); it translates exactly as the same plan
-    with the float weights still there, and refuses to run a released layer outside inference."""
+    panels; float weights released; the embeddings the output projection shares read from its
+    int8 panels where they hold it); it translates exactly as the same plan with the float
+    weights still there (the table as the lookups read it), and refuses to run a released layer
+    outside inference."""
     from model.engine.options import DecodingOptions
     from model.engine.translator import Translator
 
@@ -501,16 +504,22 @@ def test_int8_load_keeps_one_copy_of_the_weights_and_decodes_as_before(tiny_weig
     # the one copy: the fused kernels' int8 panels where they take every int8 product (AVX2), else fbgemm's
     packed = kernels.PackedInt8 if kernels.int8_kernels(ckpt.plan) is None else kernels.PackedInt8Panels
     assert layers and all(isinstance(m.kernel, packed) and m.weight.is_meta for m in layers)
-    # the output projection: fbgemm's where the vocabulary (here 1,000) is no multiple of the panels' 16
-    width = 16 if packed is kernels.PackedInt8Panels else 1
-    out_packed = packed if ckpt.model.output_matrix().shape[0] % width == 0 else kernels.PackedInt8
-    assert isinstance(ckpt.model.kernel, out_packed)
+    # the output projection too (its vocabulary of 1,000 no multiple of 16: the last panel padded)
+    assert isinstance(ckpt.model.kernel, packed)
+    # the tied table (float32, not exact in float16): read from the int8 panels where they hold
+    # it, as CTranslate2 reads an int8 model's embeddings; beside fbgemm's copy, the float rows
     embedding = ckpt.model.output_matrix()
-    assert not embedding.is_meta and embedding.untyped_storage().nbytes() == embedding.numel() * 4
+    assert embedding.is_meta == (packed is kernels.PackedInt8Panels)
+    assert embedding.is_meta or embedding.untyped_storage().nbytes() == embedding.numel() * 4
     float_bytes = sum(p.numel() * p.element_size() for p in ckpt.model.parameters() if not p.is_meta)
     assert float_bytes < 0.5 * ckpt.model.num_parameters() * 4  # the layers' float copies are gone
     kept = loading.load(folder, "cpu", "float32", keep_float_weights=True)
     kernels.install(kept.model, ckpt.plan)  # same int8 plan, float weights kept
+    if embedding.is_meta:  # the same table rows as the lookups read (the projection requantizes them to the same)
+        table = ckpt.model.tgt_embed.lookup
+        assert isinstance(table, kernels.TokenTable) and table.data.dtype == torch.int8
+        with torch.no_grad():
+            kept.model.tgt_embed.tokens.weight.copy_(table(torch.arange(ckpt.config.tgt_vocab_size)))
     texts = ["ein Hund läuft", "zwei Männer spielen Fußball im Park", "x"]
     for beam in (1, 3):
         options = DecodingOptions(beam_size=beam, max_length=12)

@@ -15,6 +15,7 @@ from model.engine import fused, loading
 from model.engine.batches import pad
 from model.engine.decoding import DecodeSession, decode
 from model.engine.features import detected, fused_variant
+from model.engine.kernels.tables import TokenTable
 from model.engine.options import DecodingOptions
 from model.engine.penalties import apply_penalties
 from model.engine.shortlist import Shortlist, ShortlistColumns, Vocabulary
@@ -44,7 +45,7 @@ def hand_made_columns() -> tuple[list[int], list[list[int]], ShortlistColumns]:
     1's own 8 (column 6)."""
     always = [0, 1, 2, 3, 10, 20]
     table = Shortlist.from_table(torch.zeros(50, 1, dtype=torch.long), torch.tensor(always))
-    vocab = Vocabulary(table, torch.randn(50, 4), torch.float32)
+    vocab = Vocabulary(table, TokenTable(torch.randn(50, 4)), torch.float32)
     vocab.join([torch.tensor([3, 5, 7, 10, 30]), torch.tensor([8, 20])])
     columns = vocab.columns()
     assert columns.always.tolist() == always and columns.width == 3

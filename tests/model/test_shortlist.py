@@ -16,6 +16,7 @@ from model.engine import fused, kernels, loading
 from model.engine.batches import pad
 from model.engine.decoding import DecodeSession, decode
 from model.engine.features import detected, fused_variant
+from model.engine.kernels.tables import TokenTable
 from model.engine.options import DecodingOptions
 from model.engine.shortlist import Shortlist, ShortlistColumns, Vocabulary, build
 from model.engine.translator import Translator
@@ -71,7 +72,7 @@ def test_each_sentence_scores_always_and_its_own_candidates_beyond_them() -> Non
     compacted keeping every sentence's own, and a clear lets a large batch's buffers go."""
     table = Shortlist.from_table(torch.zeros(100, 1, dtype=torch.long), torch.tensor([0, 1, 2, 3]))
     matrix = torch.arange(100.0)[:, None].expand(100, 2)  # row i is (i, i)
-    vocab = Vocabulary(table, matrix, torch.float32)
+    vocab = Vocabulary(table, TokenTable(matrix), torch.float32)
     columns = vocab.columns()
     assert columns.always.tolist() == [0, 1, 2, 3] and torch.equal(columns.always_rows[:, 0], columns.always.float())
     assert columns.width == 0 and columns.spans.shape == (0, 2) and vocab.columns() is columns  # made once a change
@@ -105,7 +106,8 @@ def test_each_sentence_scores_always_and_its_own_candidates_beyond_them() -> Non
     assert vocab._ids.numel() == 4 and vocab._rows.shape == (4, 2)
     vocab.join([torch.tensor([95])])
     check([[95]])
-    half = Vocabulary(table, matrix.half(), torch.float32)  # a float16 output matrix (the shipped ones): kept so
+    # a float16 output matrix (the shipped ones): kept so
+    half = Vocabulary(table, TokenTable(matrix.half()), torch.float32)
     half.join([torch.tensor([7, 8])])
     assert half.always_rows.dtype == torch.float32 and half.columns().extra_rows.dtype == torch.float16
     assert own_ids(half.columns()) == [[7, 8]] and half.columns().extra_rows[:2, 0].tolist() == [7.0, 8.0]
@@ -118,7 +120,7 @@ def test_the_shared_columns_are_packed_once_and_score_as_their_rows() -> None:
     module = fused.load(variant)
     require(module is not None, f"the fused step kernels ({variant}) do not build here: see the log")
     table = Shortlist.from_table(torch.zeros(200, 1, dtype=torch.long), torch.arange(37))
-    vocab = Vocabulary(table, torch.randn(200, 32), torch.float32)
+    vocab = Vocabulary(table, TokenTable(torch.randn(200, 32)), torch.float32)
     panels = vocab.panels(module)
     assert vocab.panels(module) is panels and panels.shape[0] == -(-37 // module.panel_width())
     x = torch.randn(9, 32)
@@ -216,12 +218,12 @@ def test_the_shipped_shortlists_load_and_keep_the_translations(shipped: Path, da
         meta = json.loads((folder / "config.json").read_text())
         table = loading.load_shortlist(folder, meta["model"]["tgt_vocab_size"])
         assert (table is None) == bool(meta.get("target_tags")), folder  # every direction model has one
-    ckpt = loading.load(shipped)
-    table = loading.load_shortlist(shipped, ckpt.config.tgt_vocab_size)
+    ckpt, listed = loading.load(shipped), loading.load(shipped)
+    table = loading.use_shortlist(listed)
     assert table is not None and table.per_source == 200
     texts = read_lines(data_dir / "val.de.gz")[:60]
     opts = loading.decoding_options(ckpt.meta, 1)
-    full, short = Translator(ckpt.model, ckpt.tokenizer), Translator(ckpt.model, ckpt.tokenizer, shortlist=table)
+    full, short = Translator(ckpt.model, ckpt.tokenizer), Translator(listed.model, ckpt.tokenizer, shortlist=table)
     same = 0
     for ids in full.encode(texts):
         same += full.decode_ids([ids], opts)[0][0].ids == short.decode_ids([ids], opts)[0][0].ids
@@ -257,7 +259,8 @@ def test_float_precisions_use_the_shortlist_and_int8_the_whole_vocabulary(shippe
     assert loading.use_shortlist(loading.load(shipped)) is not None
     whole = loading.load(shipped)
     assert loading.use_shortlist(whole, wanted=False) is None
-    assert kernels.is_packed(whole.model.kernel) == (whole.plan.kernel == "onednn")  # kept for the whole vocabulary
+    # the packed copy kept for the whole vocabulary: oneDNN's, or the fused kernels' panels
+    assert kernels.is_packed(whole.model.kernel) == (whole.plan.kernel in ("onednn", "panels"))
     if not detected().avx2:
         pytest.skip("int8 needs AVX2")
     assert loading.use_shortlist(loading.load(shipped, precision="int8")) is None
@@ -350,7 +353,8 @@ def test_with_the_shortlist_the_packed_output_projection_goes_and_the_whole_one_
     assert loading.shortlist_output(ckpt.model) == 0  # nothing left to release
     texts = ["Ein Mann fährt mit dem Fahrrad.", "Zwei Hunde spielen im Schnee."]
     opts = loading.decoding_options(ckpt.meta, 4)
-    expected = Translator(packed.model, packed.tokenizer, shortlist=table).translate(texts, opts)
+    listed = loading.load(shipped, keep_float_weights=True)
+    expected = Translator(listed.model, listed.tokenizer, shortlist=table).translate(texts, opts)
     assert [t.text for t in Translator(ckpt.model, ckpt.tokenizer, shortlist=table).translate(texts, opts)] == [
         t.text for t in expected
     ]

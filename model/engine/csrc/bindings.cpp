@@ -56,14 +56,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_width", &panel_width, "weight rows a panel of pack_panels holds");
   m.def("pack_panels", &pack_panels, "a weight (N, K) as panel_linear reads it");
   m.def("panel_linear", &panel_linear, unlocked, "a linear layer on packed panels: x w^T + bias, optionally ReLU'd");
+  m.def("panel_columns", &panel_columns, unlocked,
+        "a linear layer on packed panels, the first `columns` outputs only (a vocabulary's padding left out)");
   m.def("panel_product", &panel_product, unlocked, "x w^T on packed panels, the first `columns` columns only");
   m.def("int8_panel_width", &int8_panel_width, "outputs a panel of pack_int8 holds");
   m.def("pack_int8", &pack_int8, "an int8 weight (N, K) as int8_linear reads it, and its column sums");
   m.def("int8_linear", &int8_linear, unlocked, "an int8 linear layer, activations quantized per row");
+  m.def("int8_columns", &int8_columns, unlocked, "int8_linear's first `columns` outputs only");
   m.def("decoder_layers", &decoder_layers, unlocked, "a post-LN decoder step through every layer on packed panels");
   m.def("encoder_layers", &encoder_layers, unlocked, "a post-LN encoder through every layer on packed panels");
   m.def("encoder_attend_ragged", &encoder_attend_ragged, "the encoder's self-attention over unpadded sentences");
   m.def("encoder_layers_ragged", &encoder_layers_ragged, unlocked,
         "a post-LN encoder over unpadded sentences through every layer on packed panels");
-  m.def("embed", &embed, "a decoder step's or the encoder's input: position + scale * token embedding");
+  m.def("embed", &embed, "a decoder step's or the encoder's input: position + scale * token embedding (rows or panels)");
 }

@@ -141,23 +141,27 @@ inline void int8_rest(const uint8_t* u, int64_t k, const int8_t* panel, int32_t*
 
 int64_t int8_panel_width() { return kInt8Panel; }
 
-// q (N, K) int8, N a multiple of 16 and K of 4 -> (its panels (N / 16, K / 4, 16, 4) int8, colsum (N)
-// int32: each output's sum of q, which the zero points take away)
+// q (N, K) int8, K a multiple of 4 -> (its panels (ceil(N / 16), K / 4, 16, 4) int8, colsum (N
+// rounded up to 16) int32: each output's sum of q, which the zero points take away). Where N is not
+// a multiple of 16 (a vocabulary), the last panel's missing outputs are zeros, and int8_columns
+// computes the first N only.
 std::vector<torch::Tensor> pack_int8(const torch::Tensor& q) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(),
               "pack_int8: q must be a contiguous int8 (N, K) CPU matrix");
   const int64_t n = q.size(0), k = q.size(1);
-  TORCH_CHECK(n > 0 && k > 0 && n % kInt8Panel == 0 && k % 4 == 0, "pack_int8: N (", n, ") must be a multiple of ",
-              kInt8Panel, " and K (", k, ") of 4");
-  const auto panels = q.view({n / kInt8Panel, kInt8Panel, k / 4, 4}).transpose(1, 2).contiguous();
-  const auto colsum = q.sum(1, false, torch::kInt32);
+  TORCH_CHECK(n > 0 && k > 0 && k % 4 == 0, "pack_int8: K (", k, ") must be a multiple of 4");
+  const int64_t count = (n + kInt8Panel - 1) / kInt8Panel, padded = count * kInt8Panel;
+  const auto rows = padded == n ? q : torch::cat({q, torch::zeros({padded - n, k}, q.options())});
+  const auto panels = rows.view({count, kInt8Panel, k / 4, 4}).transpose(1, 2).contiguous();
+  const auto colsum = rows.sum(1, false, torch::kInt32);
   return {panels, colsum};
 }
 
 // x (R, K) float32 by an int8 weight packed by pack_int8 (panels, colsum) and its per-output scales
-// (N) float32, plus bias (N; an empty tensor: none), ReLU'd when `relu` -> (R, N) float32.
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& colsum,
-                          const torch::Tensor& scales, const torch::Tensor& bias, bool relu) {
+// (N, a multiple of 16) float32, plus bias (`columns`; an empty tensor: none), ReLU'd when `relu`
+// -> (R, columns) float32: the first `columns` of the N outputs (the rest are a vocabulary's padding).
+torch::Tensor int8_columns(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& colsum,
+                           const torch::Tensor& scales, const torch::Tensor& bias, bool relu, int64_t columns) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kInt8 && panels.dim() == 4 &&
@@ -168,7 +172,9 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& panels, c
   const int64_t count = panels.size(0), n = count * kInt8Panel;
   TORCH_CHECK(is_vector(colsum, torch::kInt32) && colsum.numel() == n, "int8_linear: colsum must be int32 (N)");
   TORCH_CHECK(is_vector(scales, torch::kFloat32) && scales.numel() == n, "int8_linear: scales must be float32 (N)");
-  auto out = torch::empty({rows, n}, x.options());
+  TORCH_CHECK(columns > n - kInt8Panel && columns <= n, "int8_columns: ", columns, " columns of ", count,
+              " panels of ", kInt8Panel);
+  auto out = torch::empty({rows, columns}, x.options());
   if (rows == 0) return out;
   std::vector<uint8_t> codes(rows * k);
   std::vector<float> row_scale(rows);
@@ -178,30 +184,40 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& panels, c
   const int8_t* wp = panels.data_ptr<int8_t>();
   const int32_t* cs = colsum.data_ptr<int32_t>();
   const float* sc = scales.data_ptr<float>();
-  const float* bp = bias_data(bias, n);
+  const float* bp = bias_data(bias, columns);
   float* op = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, kInt8GrainWork / std::max<int64_t>(1, kInt8Panel * k * rows));
   parallel_chunks(0, count, grain, [&](int64_t begin, int64_t end) {
     int32_t acc[kInt8Rows * kInt8Panel];
     for (int64_t p = begin; p < end; p++) {
       const int8_t* panel = wp + p * k * kInt8Panel;
-      const int64_t n0 = p * kInt8Panel;
+      const int64_t n0 = p * kInt8Panel, valid = std::min(kInt8Panel, columns - n0);
       for (int64_t r = 0; r < rows; r += kInt8Rows) {
         const int64_t block = std::min<int64_t>(kInt8Rows, rows - r);
         int8_rest<kInt8Rows>(codes.data() + r * k, k, panel, acc, block);
         for (int64_t i = 0; i < block; i++) {
           const float s = row_scale[r + i];
           const int32_t z = zero[r + i];
-          float* o = op + (r + i) * n + n0;
-#pragma omp simd
-          for (int64_t j = 0; j < kInt8Panel; j++) {
+          float* o = op + (r + i) * columns + n0;
+          const auto value = [&](int64_t j) {
             float v = s * sc[n0 + j] * static_cast<float>(acc[i * kInt8Panel + j] - z * cs[n0 + j]);
             if (bp != nullptr) v += bp[n0 + j];
-            o[j] = relu && v < 0.f ? 0.f : v;
+            return relu && v < 0.f ? 0.f : v;
+          };
+          if (valid == kInt8Panel) {
+#pragma omp simd
+            for (int64_t j = 0; j < kInt8Panel; j++) o[j] = value(j);
+          } else {  // a vocabulary's last panel: its padding is not an output
+            for (int64_t j = 0; j < valid; j++) o[j] = value(j);
           }
         }
       }
     }
   });
   return out;
+}
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& colsum,
+                          const torch::Tensor& scales, const torch::Tensor& bias, bool relu) {
+  return int8_columns(x, panels, colsum, scales, bias, relu, panels.size(0) * kInt8Panel);
 }

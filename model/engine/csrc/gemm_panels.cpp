@@ -85,13 +85,18 @@ inline void panel_rest(const float* x, int64_t k, const float* panel, const floa
 
 int64_t panel_width() { return kPanel; }
 
-// w (N, K), N a multiple of panel_width() -> its panels (N / panel_width(), K, panel_width()):
-// panel p holds weight rows [p * width, (p + 1) * width), transposed.
+// w (N, K) -> its panels (ceil(N / panel_width()), K, panel_width()): panel p holds weight rows
+// [p * width, (p + 1) * width), transposed; where N is not a multiple of the width (a vocabulary),
+// the last panel's missing rows are zeros, and panel_columns reads the first N columns only.
 torch::Tensor pack_panels(const torch::Tensor& w) {
   check_rows(w, "w");
-  const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(n > 0 && k > 0 && n % kPanel == 0, "pack_panels: N (", n, ") must be a multiple of ", kPanel);
-  return w.view({n / kPanel, kPanel, k}).transpose(1, 2).contiguous();
+  const int64_t n = w.size(0), k = w.size(1), full = n / kPanel, rest = n - full * kPanel;
+  TORCH_CHECK(n > 0 && k > 0, "pack_panels: an empty weight");
+  if (rest == 0) return w.view({full, kPanel, k}).transpose(1, 2).contiguous();
+  auto out = torch::zeros({full + 1, k, kPanel}, w.options());
+  if (full > 0) out.narrow(0, 0, full).copy_(w.narrow(0, 0, full * kPanel).view({full, kPanel, k}).transpose(1, 2));
+  out.select(0, full).narrow(1, 0, rest).copy_(w.narrow(0, full * kPanel, rest).t());
+  return out;
 }
 
 // x (R, K) times the weight packed by pack_panels (N / width, K, width), plus bias (N; an empty

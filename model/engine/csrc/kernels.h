@@ -33,8 +33,8 @@ torch::Tensor span_logits(const torch::Tensor& x, const torch::Tensor& sentences
                           const torch::Tensor& spans, int64_t width);
 
 // embedding.cpp
-torch::Tensor embed(const torch::Tensor& tokens, const torch::Tensor& table, const torch::Tensor& positions,
-                    double scale);
+torch::Tensor embed(const torch::Tensor& tokens, const torch::Tensor& table, const torch::Tensor& scales,
+                    const torch::Tensor& positions, double scale);
 
 // gemm_rows.cpp
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, bool relu);
@@ -44,6 +44,8 @@ int64_t panel_width();
 torch::Tensor pack_panels(const torch::Tensor& w);
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& bias,
                            bool relu);
+torch::Tensor panel_columns(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& bias,
+                            bool relu, int64_t columns);
 torch::Tensor panel_product(const torch::Tensor& x, const torch::Tensor& panels, int64_t columns);
 
 // gemm_int8.cpp
@@ -51,6 +53,8 @@ int64_t int8_panel_width();
 std::vector<torch::Tensor> pack_int8(const torch::Tensor& q);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& colsum,
                           const torch::Tensor& scales, const torch::Tensor& bias, bool relu);
+torch::Tensor int8_columns(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& colsum,
+                           const torch::Tensor& scales, const torch::Tensor& bias, bool relu, int64_t columns);
 
 // layer_stack.cpp
 torch::Tensor add_norm_(torch::Tensor x, const torch::Tensor& y, const torch::Tensor& weight,

@@ -81,6 +81,7 @@ from model.engine.kernels.plan import (
     int8_products,
     kv_cache_dtype,
 )
+from model.engine.kernels.tables import TokenTable, packed_table, token_table, unpacked_rows
 from model.engine.kernels.torch_ops import Aten, Upcast, Wx, aten, upcast, wx
 from model.network.linear import LinearKernel, auto, use_machine_kernel
 from model.network.linear import is_packed as is_packed
@@ -102,6 +103,7 @@ __all__ = [
     "PackedInt8Panels",
     "PackedOneDNN",
     "PackedPanels",
+    "TokenTable",
     "UnsupportedPrecision",
     "Upcast",
     "Wx",
@@ -121,10 +123,13 @@ __all__ = [
     "kv_cache_dtype",
     "onednn",
     "packed_kernel",
+    "packed_table",
     "panel_kernels",
     "quantized_engine",
     "reads_float_weight",
     "release_float_weights",
+    "token_table",
+    "unpacked_rows",
     "upcast",
     "wx",
 ]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from model.engine.fused import int8_packable
 from model.engine.kernels.base import Kernel, OnRows
@@ -28,14 +29,20 @@ class PackedInt8Panels(OnRows):
     colsums: torch.Tensor
     scales: torch.Tensor
     bias: torch.Tensor
-    product: Callable[..., torch.Tensor]  # the kernels' ``int8_linear``
+    product: Callable[..., torch.Tensor]  # the kernels' ``int8_columns``
     out_features: int
 
     def run(self, x: torch.Tensor, relu: bool = False) -> torch.Tensor:
         """x: (R, in) -> (R, out) in x's dtype (computed from float32, as fbgemm's kernels do)."""
         ready = x.dtype == torch.float32 and x.is_contiguous()
         out = self.product(
-            x if ready else x.float().contiguous(), self.panels, self.colsums, self.scales, self.bias, relu
+            x if ready else x.float().contiguous(),
+            self.panels,
+            self.colsums,
+            self.scales,
+            self.bias,
+            relu,
+            self.out_features,
         )
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
@@ -47,9 +54,11 @@ def int8_panels(
     its quantized weight (``Kernel.int8_weight``) packed by their ``pack_int8``; None for a layer
     of another kernel, or a shape ``pack_int8`` cannot take (fbgemm's then stays)."""
     found = kernel.int8_weight(weight, bias) if isinstance(kernel, Kernel) else None
-    if found is None or not int8_packable(found[0], fused.int8_panel_width()):
+    if found is None or not int8_packable(found[0]):
         return None
     quantized, scales, b = found
     panels, colsums = fused.pack_int8(quantized)
+    scales = F.pad(scales, (0, colsums.shape[0] - scales.shape[0]))  # (a padded last panel's outputs: unread)
     no_bias = scales.new_empty(0)
-    return PackedInt8Panels(panels, colsums, scales, no_bias if b is None else b, fused.int8_linear, quantized.shape[0])
+    out = quantized.shape[0]
+    return PackedInt8Panels(panels, colsums, scales, no_bias if b is None else b, fused.int8_columns, out)

@@ -35,7 +35,7 @@ class Aten(Kernel):
         self, weight: torch.Tensor, bias: torch.Tensor | None, panels: ModuleType | None = None
     ) -> Kernel | None:
         """With the fused kernels (a plan on ``panels``), the layer's weight in their panels."""
-        if panels is not None and packable(weight, bias, panels.panel_width()):
+        if panels is not None and packable(weight, bias):
             return pack_panels(weight, bias, panels)
         return None
 
