@@ -51,6 +51,10 @@ for inference then keeps one copy of each weight: the packed copy where oneDNN r
 (``PackedOneDNN``, ``release_float_weights``), the fused kernels' panels where the plan names
 ``panels`` (``PackedPanels``: faster than MKL's sgemm and oneDNN from 2 to a few hundred rows; the
 layers run ``aten`` until they are packed), the float weight where ``wx`` or ``aten`` reads it.
+The output projection runs on its panels too (the last one padded where the vocabulary is no
+multiple of their width), and a tied model's token lookups read those panels (``tables``), so
+the vocabulary is held once; int8 plans' lookups read its int8 panels where the table is not
+exact in float16.
 The per-call times behind the choices: docs/benchmarks/README.md#linear-kernels.
 """
 
