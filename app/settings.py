@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     fused_step: bool = Field(
         True,
         description="float32 and int8 on the CPU: run the decoder step's attention, layer norms and beam bookkeeping, "
-        "and (float32) every layer but the output projection, and a shortlist's logits, on weights packed into "
+        "and (float32) every layer, the output projection included, and a shortlist's logits, on weights packed into "
         "panels (a pass's layers in one call), and (int8) the int8 products (every one on AVX2 and on "
         "AVX-512 with VNNI, a few rows on AVX-512 without it), on the fused C++ kernels (model/engine/fused.py; built "
         "once per CPU variant with the system's C++ compiler, ~20-60 s, cached): about half the time a sentence "

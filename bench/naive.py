@@ -26,7 +26,7 @@ def greedy_ids(model: Transformer, src_ids: Sequence[int], options: DecodingOpti
     The length limit is ``model.engine.decoding.max_steps``'s, so it stops where our search stops.
     """
     cfg = model.config
-    device = next(model.parameters()).device
+    device = model.device
     src = torch.tensor([[*src_ids, cfg.eos_id]], device=device)  # (1, S)
     memory, mask, _ = model.encode(src)  # (1, S, D), (1, 1, 1, S)
     limit = max_steps([src.shape[1]], options, cfg.max_tokens)[0]

@@ -147,6 +147,40 @@ def confidence_rows(path: Path, data: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def plot(rows_file: Path, out: Path) -> dict[str, Any]:
+    """Confidence against sentence chrF (``--confidence``'s rows) as a scatter with each set's
+    mean chrF per confidence band -> the bands' figures (what docs/decoding.md tabulates)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    bands = [(0, 40), (40, 60), (60, 70), (70, 80), (80, 101)]
+    figures: dict[str, Any] = {}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, colour in (("val", "tab:blue"), ("out-of-domain", "tab:red")):
+        points = [(r["confidence"], r["chrf"]) for r in rows if r["set"] == name]
+        xs, ys = zip(*points, strict=True)
+        ax.scatter(xs, ys, s=8 if name == "val" else 30, alpha=0.35 if name == "val" else 0.9,
+                   color=colour, label=f"{name} ({len(points)} sentences)")  # fmt: skip
+        figures[name] = {}
+        for low, high in bands:
+            inside = [c for conf, c in points if low <= conf < high]
+            if inside:
+                figures[name][f"{low}-{min(high, 100)}"] = {
+                    "sentences": len(inside),
+                    "mean_chrf": round(sum(inside) / len(inside), 1),
+                }
+    ax.set_xlabel("confidence (details.confidence, 0-100)")
+    ax.set_ylabel("sentence chrF against the reference")
+    ax.set_title("en-de shipped model: confidence against quality")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return figures
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", type=Path, default=Path("weights"))
@@ -182,36 +216,3 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def plot(rows_file: Path, out: Path) -> dict[str, Any]:
-    """Confidence against sentence chrF (``--confidence``'s rows) as a scatter with each set's
-    mean chrF per confidence band -> the bands' figures (what docs/decoding.md tabulates)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
-    bands = [(0, 40), (40, 60), (60, 70), (70, 80), (80, 101)]
-    figures: dict[str, Any] = {}
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, colour in (("val", "tab:blue"), ("out-of-domain", "tab:red")):
-        points = [(r["confidence"], r["chrf"]) for r in rows if r["set"] == name]
-        ax.scatter(*zip(*points, strict=True), s=8 if name == "val" else 30, alpha=0.35 if name == "val" else 0.9,
-                   color=colour, label=f"{name} ({len(points)} sentences)")  # fmt: skip
-        figures[name] = {}
-        for low, high in bands:
-            inside = [c for conf, c in points if low <= conf < high]
-            if inside:
-                figures[name][f"{low}-{min(high, 100)}"] = {
-                    "sentences": len(inside),
-                    "mean_chrf": round(sum(inside) / len(inside), 1),
-                }
-    ax.set_xlabel("confidence (details.confidence, 0-100)")
-    ax.set_ylabel("sentence chrF against the reference")
-    ax.set_title("en-de shipped model: confidence against quality")
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    return figures

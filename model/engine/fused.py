@@ -236,21 +236,25 @@ def _build_directory(name: str) -> Path:
     return Path(cpp_extension._get_build_directory(name, verbose=False))
 
 
-def _prebuilt(variant: str) -> Path | None:
+def _prebuilt(variant: str, wait_s: float = 0.0) -> Path | None:
     """The compiled library of ``variant`` in the extension cache, where a build left one (not
-    while a build holds the folder's lock: the library may be half written; ``load`` waits)."""
+    while a build holds the folder's lock: the library may be half written; ``load`` waits, and so
+    does this up to ``wait_s``: torch's loader takes the lock briefly even where nothing is built)."""
     try:
         name = _name(variant)
         library = _build_directory(name) / f"{name}.so"
     except OSError:  # no source (an install without it), a cache folder that cannot be made: nothing to find
         return None
+    deadline = time.monotonic() + wait_s
+    while (library.parent / "lock").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
     return library if library.is_file() and not (library.parent / "lock").exists() else None
 
 
-def _import_prebuilt(variant: str) -> ModuleType | None:
+def _import_prebuilt(variant: str, wait_s: float = 0.0) -> ModuleType | None:
     """``variant``'s build from the cache, imported as it is (no compiler, no ninja), or None
     where there is none or it does not import (logged; then it is built again)."""
-    library = _prebuilt(variant)
+    library = _prebuilt(variant, wait_s)
     if library is None:
         return None
     try:
@@ -345,7 +349,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"fused decoder-step kernels did not build: {variant} ({str(err).strip()[:300]})")
 
         runs_here = variant in runnable_variants(CpuFeatures.detect(env={}))  # the hardware's, not capped
-        if runs_here and _import_prebuilt(variant) is None:
+        # (another process loading this variant may hold the lock a moment, or building it a minute)
+        if runs_here and _import_prebuilt(variant, wait_s=120.0) is None:
             sys.exit(f"fused decoder-step kernels did not load: {variant}")
         seconds, note = time.perf_counter() - start, "" if runs_here else " (not run here)"
         log.info("%s: %s in %.0f s%s", variant, library, seconds, note)
