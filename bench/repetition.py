@@ -4,8 +4,8 @@ relate the per-sentence confidence to sentence-level chrF (docs/decoding.md).
     python -m bench.repetition --weights weights --out docs/results/repetition.jsonl
 
 For every checkpoint (a many-to-many one on ``--pairs``, directions it serves): val BLEU at the card's beam with
-each candidate (``no_repeat_ngram_size``, ``repetition_penalty``) in turn, strongest first, until
-one's val BLEU is within ``--budget`` of none: that one is chosen (none where no candidate is);
+none and with each candidate (``no_repeat_ngram_size``, ``repetition_penalty``); the strongest whose val
+BLEU is within ``--budget`` of none is that direction's choice (none where no candidate is);
 test_2016 BLEU and decoding time with none and with it; and whether the out-of-domain sentences
 (``OUT_OF_DOMAIN``, letters, chat and web text the caption models never saw) come back with a
 loop, with none and with it. ``--confidence`` also writes, per sentence of val and of the
@@ -30,7 +30,7 @@ from model.engine.translator import Translator
 from model.training.data import MULTI30K_DIR, read_lines
 
 # (no_repeat_ngram_size, repetition_penalty): off, then the candidates, strongest first
-CANDIDATES = [(0, 1.0), (4, 1.0)]
+CANDIDATES = [(4, 1.0)]  # (no_repeat_ngram_size, repetition_penalty), strongest first
 # Text the shipped models were not trained on (two from issue 74), with German references.
 OUT_OF_DOMAIN = [
     ("Dear Sir or Madam, I am writing to complain about the delayed delivery of my order.",
@@ -96,36 +96,44 @@ def with_candidate(options: DecodingOptions, candidate: tuple[int, float]) -> De
     return dataclasses.replace(options, no_repeat_ngram_size=candidate[0], repetition_penalty=candidate[1])
 
 
-def direction_rows(path: Path, pair: tuple[str, str], budget: float, data: Path) -> dict[str, Any]:
+def model_rows(
+    path: Path, pairs: list[tuple[str, str]], budget: float, data: Path, candidates: list[tuple[int, float]]
+) -> list[dict[str, Any]]:
+    """One row per direction of the checkpoint at ``path``: val BLEU with none and with every
+    candidate; the direction's choice, the strongest candidate within ``budget`` of none (a
+    many-to-many card holds the most common one and the others by direction); test BLEU, seconds
+    and out-of-domain loops with none and with it."""
     ckpt = loading.load(path)
-    translator = Translator(ckpt.model, ckpt.tokenizer, ckpt.source_prefix(pair[1]), loading.use_shortlist(ckpt))
-    plain = loading.decoding_options(ckpt.meta, direction="-".join(pair))
-    plain = dataclasses.replace(plain, no_repeat_ngram_size=0, repetition_penalty=1.0)
-    src, tgt = pair
-    val = read_lines(data / f"val.{src}.gz"), read_lines(data / f"val.{tgt}.gz")
-    test = read_lines(data / f"test_2016_flickr.{src}.gz"), read_lines(data / f"test_2016_flickr.{tgt}.gz")
-    scores = {CANDIDATES[0]: bleu(translator, *val, plain)[0]}
-    chosen = CANDIDATES[0]
-    for candidate in CANDIDATES[1:]:
-        scores[candidate] = bleu(translator, *val, with_candidate(plain, candidate))[0]
-        if scores[candidate] >= scores[CANDIDATES[0]] - budget:
-            chosen = candidate
-            break
-    row: dict[str, Any] = {
-        "model": path.name,
-        "direction": "-".join(pair),
-        "val_bleu": {str(c): s for c, s in scores.items()},
-    }
-    row["chosen"] = {"no_repeat_ngram_size": chosen[0], "repetition_penalty": chosen[1]}
-    for name, candidate in (("none", CANDIDATES[0]), ("chosen", chosen)):
-        score, seconds = bleu(translator, *test, with_candidate(plain, candidate))
-        row[f"test_bleu_{name}"], row[f"test_seconds_{name}"] = score, seconds
-        if src == "en":
-            hyps = translator.translate([s for s, _ in OUT_OF_DOMAIN], with_candidate(plain, candidate))
-            ids = [ckpt.tokenizer.encode([h.text])[0] for h in hyps]
-            row[f"ood_loops_{name}"] = sum(loops(tuple(i)) for i in ids)
-            row[f"ood_examples_{name}"] = [h.text for h in hyps[:2]]
-    return row
+    shortlist = loading.use_shortlist(ckpt)
+    none = (0, 1.0)
+    setups = []
+    for src, tgt in pairs:
+        translator = Translator(ckpt.model, ckpt.tokenizer, ckpt.source_prefix(tgt), shortlist)
+        plain = loading.decoding_options(ckpt.meta, direction=f"{src}-{tgt}")
+        plain = dataclasses.replace(plain, no_repeat_ngram_size=0, repetition_penalty=1.0)
+        val = read_lines(data / f"val.{src}.gz"), read_lines(data / f"val.{tgt}.gz")
+        scores = {c: bleu(translator, *val, with_candidate(plain, c))[0] for c in [none, *candidates]}
+        setups.append((src, tgt, translator, plain, scores))
+    rows = []
+    for src, tgt, translator, plain, scores in setups:
+        chosen = next((c for c in candidates if scores[c] >= scores[none] - budget), none)
+        row: dict[str, Any] = {
+            "model": path.name,
+            "direction": f"{src}-{tgt}",
+            "val_bleu": {str(c): s for c, s in scores.items()},
+            "chosen": {"no_repeat_ngram_size": chosen[0], "repetition_penalty": chosen[1]},
+        }
+        test = read_lines(data / f"test_2016_flickr.{src}.gz"), read_lines(data / f"test_2016_flickr.{tgt}.gz")
+        for name, candidate in (("none", none), ("chosen", chosen)):
+            score, seconds = bleu(translator, *test, with_candidate(plain, candidate))
+            row[f"test_bleu_{name}"], row[f"test_seconds_{name}"] = score, seconds
+            if src == "en":
+                hyps = translator.translate([s for s, _ in OUT_OF_DOMAIN], with_candidate(plain, candidate))
+                ids = [ckpt.tokenizer.encode([h.text])[0] for h in hyps]
+                row[f"ood_loops_{name}"] = sum(loops(tuple(i)) for i in ids)
+                row[f"ood_examples_{name}"] = [h.text for h in hyps[:2]]
+        rows.append(row)
+    return rows
 
 
 def confidence_rows(path: Path, data: Path) -> list[dict[str, Any]]:
@@ -191,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--pairs", default="de-fr", help="a many-to-many model's directions to measure (comma-separated)"
     )
+    parser.add_argument("--candidates", help="no_repeat_ngram_size values to try, strongest first (default: 4)")
     parser.add_argument("--confidence", type=Path, help="also write per-sentence confidence and chrF here (en-de)")
     parser.add_argument("--plot", type=Path, help="only draw --confidence's rows into this image (and print the bands)")
     args = parser.parse_args(argv)
@@ -204,8 +213,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             served = checkpoint.directions(checkpoint.read_meta(path))
             pairs = [p for p in served if "-".join(p) in args.pairs.split(",")] if len(served) > 1 else served
-            for pair in pairs:
-                row = direction_rows(path, pair, args.budget, args.data_dir)
+            candidates = [(int(n), 1.0) for n in args.candidates.split(",")] if args.candidates else CANDIDATES
+            for row in model_rows(path, pairs, args.budget, args.data_dir, candidates):
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")
                 out.flush()
                 print(json.dumps(row, ensure_ascii=False), flush=True)

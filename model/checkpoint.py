@@ -129,12 +129,13 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 def recommended_decoding(meta: dict[str, Any], direction: str | None = None) -> dict[str, Any]:
     """The model card's recommended decoding (config.json "decoding") for one direction: a
-    many-to-many card's ``length_penalty_by_direction`` entry, where it has one, replaces the
-    length penalty."""
+    many-to-many card's ``length_penalty_by_direction`` and ``no_repeat_ngram_size_by_direction``
+    entries, where it has one, replace the length penalty and the n-gram size."""
     card = dict(meta.get("decoding", {}))
-    by_direction = card.pop("length_penalty_by_direction", None) or {}
-    if direction in by_direction:
-        card["length_penalty"] = float(by_direction[direction])
+    for key, kind in (("length_penalty", float), ("no_repeat_ngram_size", int)):
+        by_direction = card.pop(f"{key}_by_direction", None) or {}
+        if direction in by_direction:
+            card[key] = kind(by_direction[direction])
     return card
 
 

@@ -47,7 +47,9 @@ class SentenceDetails(BaseModel):
     source_tokens: list[str]
     target_tokens: list[str]
     score: float
-    confidence: int = Field(description="0-100: geometric mean of the pieces' probabilities (docs/confidence.md)")
+    confidence: int = Field(
+        description="0-100: geometric mean of the pieces' probabilities (docs/decoding.md#confidence)"
+    )
     truncated: bool
     cached: bool
 
@@ -60,7 +62,7 @@ class Timings(BaseModel):
 class ItemDetails(BaseModel):
     tokens: list[str] = Field(description="target tokens of the best translation, all sentences")
     score: float = Field(description="mean length-normalized log-probability over sentences")
-    confidence: int = Field(description="0-100: the least confident sentence's (docs/confidence.md)")
+    confidence: int = Field(description="0-100: the least confident sentence's (docs/decoding.md#confidence)")
     source_token_count: int
     target_token_count: int
     truncated: bool = Field(description="a sentence hit the length limit without ending")

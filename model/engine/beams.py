@@ -25,7 +25,7 @@ class Hypothesis:
     def confidence(self) -> int:
         """How sure the model was, 0-100: the geometric mean of its pieces' probabilities (EOS
         included), 100 * exp(log P / pieces), as decoding scored them. How it relates to quality
-        (sentence chrF): docs/confidence.md."""
+        (sentence chrF): docs/decoding.md#confidence."""
         pieces = len(self.ids) + int(self.finished)
         return round(100 * math.exp(self.log_prob / pieces)) if pieces else 100
 

@@ -207,6 +207,8 @@ class RecommendedDecoding:
     # model keeps its starting card's
     no_repeat_ngram_size: int = 0
     repetition_penalty: float = 1.0
+    # a many-to-many model's n-gram size per direction where val chose another (bench.repetition)
+    no_repeat_ngram_size_by_direction: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -252,6 +252,11 @@ def test_a_many_to_many_model_serves_its_directions_from_one_loaded_model(tmp_pa
     def alpha(direction: str) -> float:  # the card's length penalty, or the direction's own where it has one
         return float(card.get("length_penalty_by_direction", {}).get(direction, card["length_penalty"]))
 
+    def ngrams(direction: str) -> int:  # the card's n-gram guard, or the direction's own where it has one
+        return int(
+            card.get("no_repeat_ngram_size_by_direction", {}).get(direction, card.get("no_repeat_ngram_size", 0))
+        )
+
     for client in start(Settings(weights_dir=weights)):
         languages = {lang["code"]: lang["targets"] for lang in client.get("/languages").json()}
         assert languages == {"cs": ["de", "en", "fr"], "de": ["cs", "en", "fr"], "en": ["cs", "de", "fr"],
@@ -260,8 +265,9 @@ def test_a_many_to_many_model_serves_its_directions_from_one_loaded_model(tmp_pa
             body = {"q": texts, "source": "de", "target": target, "beam_size": 2, "details": True}
             answer = client.post("/translate", json=body).json()
             direct = Translator(ckpt.model, ckpt.tokenizer, target_prefix(ckpt.tokenizer, target))
-            repeats = int(card.get("no_repeat_ngram_size", 0))
-            options = DecodingOptions(beam_size=2, length_penalty=alpha(f"de-{target}"), no_repeat_ngram_size=repeats)
+            options = DecodingOptions(
+                beam_size=2, length_penalty=alpha(f"de-{target}"), no_repeat_ngram_size=ngrams(f"de-{target}")
+            )
             expected = [t.text for t in direct.translate(texts, options)]
             assert answer["translatedText"] == expected
             assert [d["models"] for d in answer["details"]] == [[f"de-{target}"]] * 2

@@ -222,7 +222,7 @@ def test_missing_folder(tmp_path: Path) -> None:
         loading.load(tmp_path / "nope")
 
 
-def test_a_many_to_many_card_may_recommend_a_length_penalty_per_direction(tmp_path: Path) -> None:
+def test_a_many_to_many_card_may_recommend_options_per_direction(tmp_path: Path) -> None:
     """``[decoding.length_penalty_by_direction]`` in a training config reaches config.json, and
     the options built for a direction (the service's and model.training.evaluate's) take its entry;
     other directions keep the card's length penalty."""
@@ -245,6 +245,12 @@ def test_a_many_to_many_card_may_recommend_a_length_penalty_per_direction(tmp_pa
         "no_repeat_ngram_size": 0, "repetition_penalty": 1.0,
     }  # fmt: skip
     assert checkpoint.recommended_decoding({}, "cs-en") == {}
+    # the n-gram size likewise (bench.repetition's choice per direction)
+    guarded = {
+        "decoding": {**meta["decoding"], "no_repeat_ngram_size": 4, "no_repeat_ngram_size_by_direction": {"de-fr": 5}}
+    }
+    assert loading.decoding_options(guarded, direction="de-fr").no_repeat_ngram_size == 5
+    assert loading.decoding_options(guarded, direction="fr-de").no_repeat_ngram_size == 4
 
 
 @pytest.mark.isa

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from bench import naive
 from model.engine import fused
 from model.engine.batches import pad
-from model.engine.beams import TOP_K_BLOCK, top_k
+from model.engine.beams import TOP_K_BLOCK, Hypothesis, top_k
 from model.engine.cache import Spare, init_cache
 from model.engine.decoding import DecodeSession, decode, decode_stream
 from model.engine.encoder import EncoderPass
@@ -189,6 +191,27 @@ def test_greedy_matches_the_uncached_one_sentence_decoder(vocab: int) -> None:
     batched = decode(model, pad(rows, 0), opts).hypotheses
     for row, hyps in zip(rows, batched, strict=True):
         assert list(hyps[0].ids) == naive.greedy_ids(model, row[:-1], opts)
+
+
+def test_confidence_is_the_geometric_mean_of_the_pieces_probabilities() -> None:
+    """``Hypothesis.confidence`` (``details.confidence``): 100 * exp(log P / pieces), EOS counted
+    where the hypothesis finished, log P the teacher-forced log-probabilities of the pieces
+    greedy search returned (no options that change the scores)."""
+    model = make_model()
+    rows = sources(5)
+    opts = DecodingOptions(beam_size=1, max_length=40)
+    src = pad(rows, 0)
+    hypotheses = [h[0] for h in decode(model, src, opts).hypotheses]
+    for i, hyp in enumerate(hypotheses):
+        ids = [*hyp.ids, 3] if hyp.finished else list(hyp.ids)  # (3: EOS)
+        with torch.inference_mode():
+            logits = model(src[i : i + 1], torch.tensor([[2, *ids[:-1]]]))[0]  # (T, V)
+        log_p = logits.log_softmax(-1).gather(1, torch.tensor(ids)[:, None]).sum().item()
+        assert hyp.log_prob == pytest.approx(log_p, abs=1e-3)
+        assert hyp.confidence == round(100 * math.exp(log_p / len(ids)))
+    assert min(h.confidence for h in hypotheses) > 0 and max(h.confidence for h in hypotheses) <= 100
+    sure = Hypothesis(ids=(5, 6, 7), score=0.0, log_prob=4 * math.log(0.5), finished=True)
+    assert sure.confidence == 50 and Hypothesis((), 0.0, 0.0, False).confidence == 100
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6])
