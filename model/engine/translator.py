@@ -169,10 +169,12 @@ class Translator:
         always-candidates' rows are gathered once, not once a call (a gather that is a sizeable
         part of one sentence's decoding: docs/benchmarks/README.md#numbers-behind-the-code). A
         translator serves one thread at a time."""
-        table = None if self.shortlist is None else output_table(self.model)
-        if self.shortlist is None or table is None:  # (no rows to gather: the session says so)
+        if self.shortlist is None:
             return None
         if self._vocabulary is None:
+            table = output_table(self.model)
+            if table is None:  # (no rows to gather: the session says so)
+                return None
             with torch.inference_mode():
                 self._vocabulary = Vocabulary(self.shortlist, table, step_dtype(self.model))
         return None if self._vocabulary.in_use else self._vocabulary

@@ -51,10 +51,6 @@ class TokenTable:
         """D, the rows' width."""
         return self.data.shape[1] * (4 if self.data.dim() == 4 else 1)
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
-
 
 def token_table(embedding: Embedding) -> TokenTable:
     """What ``embedding``'s lookups read: the table its ``lookup`` holds where the engine gave it
